@@ -1,0 +1,657 @@
+"""The run configuration: attrs classes, loading from TOML/YAML, overrides and validation.
+
+Resolution order: class defaults < ``--config FILE`` < selection flags (``--env math``) <
+``--set path=value``. Plugin sections are flat: ``[loss]`` holds ``name`` plus the fields of
+that plugin's config class, so ``--set loss.kl_coef=0.05`` reaches ``RLOOConfig.kl_coef``.
+
+One private cattrs converter, built after the plugins load (:func:`make_converter`), structures
+everything; unknown keys are errors and every error names its path (``$.loss.kl_coef``).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import tomllib
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from marin_rl_core.errors import ConfigError
+from marin_rl_core.hookspecs import RECORD_TYPES
+from marin_rl_core.registry import Registry
+from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class ModelConfig:
+    """The policy model: a levanter Llama, built from scratch or loaded from a checkpoint.
+
+    Args:
+        tokenizer: ``"arithmetic"`` for the tokenizer built in code (numbers 0-99 are single
+            tokens), or a path to a local Hugging Face tokenizer directory.
+        checkpoint: a local Hugging Face checkpoint directory to start from; empty builds a
+            fresh model from the fields below.
+        hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads: model shape (ignored
+            when ``checkpoint`` is set: the checkpoint's own config wins).
+        max_seq_len: the most tokens (prompt + response) a sequence may have.
+    """
+
+    tokenizer: str = "arithmetic"
+    checkpoint: str = ""
+    hidden_dim: int = 64
+    intermediate_dim: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    max_seq_len: int = 32
+
+
+@attrs.frozen(kw_only=True)
+class TrainerConfig:
+    """The learner: optimizer, batch size, step count, weight sync and checkpoint cadence.
+
+    Args:
+        num_train_steps: optimizer steps before the job ends.
+        batch_size: rollouts per optimizer step.
+        learning_rate: peak Adam learning rate (linear warmup, then constant).
+        warmup_steps: steps of linear warmup.
+        weight_decay: AdamW weight decay.
+        max_grad_norm: global gradient-norm clip; 0 disables it.
+        sync_interval_steps: publish weights to rollout workers every this many steps.
+        checkpoint_interval_steps: save a checkpoint every this many steps (and at the end).
+    """
+
+    num_train_steps: int = 200
+    batch_size: int = 256
+    learning_rate: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    sync_interval_steps: int = 1
+    checkpoint_interval_steps: int = 50
+
+
+@attrs.frozen(kw_only=True)
+class ReplayBufferConfig:
+    """The trainer's pool of rollouts waiting to be trained on.
+
+    Args:
+        capacity: the most rollouts held; the oldest are evicted first.
+        max_rollout_step_delay: drop rollouts sampled with weights more than this many steps
+            behind the trainer.
+        max_rollout_timestamp_delay: drop rollouts older than this many seconds.
+        recency_alpha: sampling weight grows as ``(1 + rank_from_oldest) ** alpha``; 0 samples
+            uniformly.
+        max_samples_per_rollout: how many training batches may use one rollout.
+    """
+
+    capacity: int = 4096
+    max_rollout_step_delay: int = 1
+    max_rollout_timestamp_delay: float = 3600.0
+    recency_alpha: float = 3.0
+    max_samples_per_rollout: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class EvalConfig:
+    """Held-out evaluation run by the rollout workers.
+
+    Args:
+        frequency: full eval of every lesson every this many rollout batches (0: only at start
+            and end).
+        n_examples: problems per lesson in a full eval.
+        micro_frequency: a small eval of the current lesson every this many batches (0: off).
+        micro_n_examples: problems in a micro-eval.
+        sampling: sampling for eval (greedy by default).
+    """
+
+    frequency: int = 5
+    n_examples: int = 128
+    micro_frequency: int = 0
+    micro_n_examples: int = 32
+    sampling: SamplingParams = SamplingParams(temperature=0.0, n_generations_per_prompt=1)
+
+
+@attrs.frozen(kw_only=True)
+class LoggingConfig:
+    """What the user sees.
+
+    Args:
+        progress: show a progress bar of training steps.
+        tracker: ``"jsonl"`` (always written to the run directory), plus ``"wandb"`` or
+            ``"tensorboard"`` through levanter's trackers.
+        log_every: log metrics every this many steps.
+    """
+
+    progress: bool = True
+    tracker: tuple[str, ...] = attrs.field(default=("jsonl",), converter=tuple)
+    log_every: int = 1
+
+
+@attrs.frozen(kw_only=True)
+class PluginChoice:
+    """A chosen plugin and its config; in files the ``name`` sits beside the config's keys."""
+
+    kind: ClassVar[str] = ""
+    default_name: ClassVar[str] = ""
+
+    name: str
+    config: Any = None
+
+
+@attrs.frozen(kw_only=True)
+class EnvChoice(PluginChoice):
+    kind: ClassVar[str] = "env"
+    default_name: ClassVar[str] = "math"
+
+
+@attrs.frozen(kw_only=True)
+class LossChoice(PluginChoice):
+    kind: ClassVar[str] = "loss"
+    default_name: ClassVar[str] = "rloo"
+
+
+@attrs.frozen(kw_only=True)
+class StorageChoice(PluginChoice):
+    kind: ClassVar[str] = "storage"
+    default_name: ClassVar[str] = "memory"
+
+
+@attrs.frozen(kw_only=True)
+class WeightTransferChoice(PluginChoice):
+    kind: ClassVar[str] = "weight_transfer"
+    default_name: ClassVar[str] = "arrow_flight"
+
+
+@attrs.frozen(kw_only=True)
+class CurriculumChoice(PluginChoice):
+    """The curriculum policy plus the lessons it schedules.
+
+    ``lessons`` empty means: the lessons the env plugin suggests (its ``default_lessons``), or a
+    single lesson with the run's env config.
+    """
+
+    kind: ClassVar[str] = "curriculum"
+    default_name: ClassVar[str] = "default"
+    lessons: tuple[LessonConfig, ...] = attrs.field(default=(), converter=tuple)
+
+
+CHOICE_TYPES: dict[str, type[PluginChoice]] = {
+    c.kind: c for c in (EnvChoice, LossChoice, StorageChoice, WeightTransferChoice, CurriculumChoice)
+}
+
+
+@attrs.frozen(kw_only=True)
+class RLJobConfig:
+    """Everything a run needs. ``marinrl config show`` prints it resolved, in this shape.
+
+    Args:
+        run_id: names the run directory; empty picks ``rl-<timestamp>`` at launch.
+        run_dir: parent directory of run directories.
+        seed: seeds model init, problem sampling and generation.
+        num_rollout_workers: rollout worker actors.
+        ray_address: a running Ray cluster to use; empty starts a local one.
+        sampling: default sampling for training rollouts (lessons may override).
+    """
+
+    run_id: str = ""
+    run_dir: str = "runs"
+    seed: int = 0
+    num_rollout_workers: int = 1
+    ray_address: str = ""
+    model: ModelConfig = ModelConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    replay_buffer: ReplayBufferConfig = ReplayBufferConfig()
+    sampling: SamplingParams = SamplingParams()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    env: EnvChoice = EnvChoice(name="math")
+    loss: LossChoice = LossChoice(name="rloo")
+    storage: StorageChoice = StorageChoice(name="memory")
+    weight_transfer: WeightTransferChoice = WeightTransferChoice(name="arrow_flight")
+    curriculum: CurriculumChoice = CurriculumChoice(name="default")
+
+    def choice(self, kind: str) -> PluginChoice:
+        return {c.kind: getattr(self, _field_of_kind(c.kind)) for c in CHOICE_TYPES.values()}[kind]
+
+    def sampling_for(self, lesson: LessonConfig) -> SamplingParams:
+        """The lesson's own sampling params, else the run's defaults."""
+        return lesson.sampling if lesson.sampling is not None else self.sampling
+
+
+def _field_of_kind(kind: str) -> str:
+    return kind  # the RLJobConfig field of each plugin kind is named after the kind
+
+
+# --- the converter -------------------------------------------------------------------------------
+
+
+def _strict_scalar_hooks(converter: cattrs.Converter) -> None:
+    """TOML and YAML carry types: ``kl_coef = "0.1"`` is a mistake, not a float."""
+
+    def int_hook(value: Any, _: type) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+
+    def float_hook(value: Any, _: type) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+
+    def str_hook(value: Any, _: type) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+
+    def bool_hook(value: Any, _: type) -> bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {type(value).__name__} {value!r}")
+        return value
+
+    converter.register_structure_hook(int, int_hook)
+    converter.register_structure_hook(float, float_hook)
+    converter.register_structure_hook(str, str_hook)
+    converter.register_structure_hook(bool, bool_hook)
+
+
+def make_converter(registry: Registry) -> cattrs.Converter:
+    """The one converter for configs, aware of the loaded plugins' config classes.
+
+    Build it after the registry: plugin sections (``[env]``, ``[loss]`` ...) structure into
+    the config class of the plugin their ``name`` selects.
+    """
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    _strict_scalar_hooks(converter)
+
+    def structure_mapping(value: Any, _: type) -> dict[str, Any]:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a table, got {type(value).__name__}")
+        return dict(value)
+
+    converter.register_structure_hook(Mapping[str, Any], structure_mapping)
+
+    for kind, choice_cls in CHOICE_TYPES.items():
+        converter.register_structure_hook(
+            choice_cls, _choice_structure_hook(converter, registry, kind, choice_cls)
+        )
+        converter.register_unstructure_hook(choice_cls, _choice_unstructure_hook(converter))
+    return converter
+
+
+def _choice_structure_hook(converter, registry, kind, choice_cls):  # type: ignore[no-untyped-def]
+    extra_fields = [f.name for f in attrs.fields(choice_cls) if f.name not in ("name", "config")]
+
+    def hook(value: Any, _: type) -> PluginChoice:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a table with a 'name' key, got {type(value).__name__}")
+        value = dict(value)
+        name = value.pop("name", choice_cls.default_name)
+        if not isinstance(name, str):
+            raise TypeError(f"'name' must be a string, got {type(name).__name__}")
+        own = {k: value.pop(k) for k in extra_fields if k in value}
+        record = registry.get(kind, name)  # names were checked in _check_plugin_names
+        config = converter.structure(value, record.config_class)
+        kwargs = {
+            k: converter.structure(v, attrs.fields_dict(choice_cls)[k].type) for k, v in own.items()
+        }
+        return choice_cls(name=name, config=config, **kwargs)
+
+    return hook
+
+
+def _choice_unstructure_hook(converter):  # type: ignore[no-untyped-def]
+    def hook(choice: PluginChoice) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": choice.name}
+        if choice.config is not None:
+            out.update(converter.unstructure(choice.config))
+        for f in attrs.fields(type(choice)):
+            if f.name not in ("name", "config"):
+                out[f.name] = converter.unstructure(getattr(choice, f.name))
+        return out
+
+    return hook
+
+
+# --- errors with paths ---------------------------------------------------------------------------
+
+
+def _format_structure_error(exc: Exception, raw: Mapping[str, Any], prefix: str = "$") -> str:
+    lines = []
+    for message in cattrs.transform_error(exc, path=prefix, format_exception=_format_exception):
+        lines.append(f"  {message}")
+    return "\n".join(lines)
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        known = [f.name for f in attrs.fields(exc.cl)] if attrs.has(exc.cl) else []
+        parts = []
+        for key in sorted(exc.extra_fields):
+            close = difflib.get_close_matches(key, known, n=1)
+            parts.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        return "; ".join(parts) + (f"; valid keys: {', '.join(known)}" if known else "")
+    if isinstance(exc, KeyError):
+        return "required key missing"
+    type_name = getattr(type_, "__name__", None) or str(type_).replace("typing.", "")
+    if isinstance(exc, TypeError | ValueError):
+        return f"{exc} (expected {type_name})" if type_name else str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Parse a ``.toml``, ``.yaml`` or ``.yml`` file into plain data."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist.")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(
+                f"config file {str(path)!r}: unknown format {path.suffix!r}; use .toml or .yaml."
+            )
+    except (tomllib.TOMLDecodeError, ValueError) as exc:
+        raise ConfigError(f"config file {str(path)!r} is not valid: {exc}") from exc
+    except Exception as exc:  # yaml.YAMLError without importing yaml at module level
+        raise ConfigError(f"config file {str(path)!r} is not valid: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a table at the top level.")
+    return data
+
+
+_PATH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?")
+
+
+def parse_override(text: str) -> tuple[list[str | int], Any]:
+    """Parse ``--set a.b[0].c=VALUE``. VALUE is read as a TOML value (``0.05``, ``true``,
+    ``"x"``, ``[1, 2]``); anything that is not valid TOML is taken as a plain string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected PATH=VALUE, e.g. --set loss.kl_coef=0.05")
+    path_text, value_text = text.split("=", 1)
+    path: list[str | int] = []
+    for part in path_text.strip().split("."):
+        match = _PATH_PART.fullmatch(part)
+        if not match:
+            raise ConfigError(f"--set {text!r}: {part!r} is not a valid key in the path")
+        path.append(match.group(1))
+        if match.group(2) is not None:
+            path.append(int(match.group(2)))
+    try:
+        value = tomllib.loads(f"v = {value_text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = value_text
+    return path, value
+
+
+def _apply_override(data: dict[str, Any], path: Sequence[str | int], value: Any, text: str) -> None:
+    node: Any = data
+    for i, key in enumerate(path[:-1]):
+        nxt = path[i + 1]
+        if isinstance(key, int):
+            if not isinstance(node, list) or key >= len(node):
+                raise ConfigError(f"--set {text!r}: index {key} is out of range")
+            node = node[key]
+            continue
+        if key not in node or node[key] is None:
+            node[key] = [] if isinstance(nxt, int) else {}
+        node = node[key]
+    last = path[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last >= len(node):
+            raise ConfigError(f"--set {text!r}: index {last} is out of range")
+    node[last] = value
+
+
+def _check_plugin_names(data: Mapping[str, Any], registry: Registry) -> None:
+    for kind in RECORD_TYPES:
+        section = data.get(kind)
+        if isinstance(section, Mapping) and "name" in section:
+            if isinstance(section["name"], str):
+                registry.get(kind, section["name"], where=f"$.{kind}.name")
+    lessons = data.get("curriculum", {}).get("lessons", []) if isinstance(data.get("curriculum"), Mapping) else []
+    for i, lesson in enumerate(lessons if isinstance(lessons, list) else []):
+        if isinstance(lesson, Mapping) and lesson.get("env"):
+            registry.get("env", lesson["env"], where=f"$.curriculum.lessons[{i}].env")
+
+
+def resolve_config(
+    registry: Registry,
+    *,
+    files: Iterable[str | Path] = (),
+    data: Mapping[str, Any] | None = None,
+    selections: Mapping[str, str | None] | None = None,
+    overrides: Iterable[str] = (),
+) -> RLJobConfig:
+    """Resolve a run's config: defaults < files < ``data`` < selections < ``--set`` overrides.
+
+    Args:
+        registry: the loaded plugins (plugin sections structure into their config classes).
+        files: config files, later ones overriding earlier ones key by key.
+        data: plain data merged after the files (used by tests and the Python API).
+        selections: ``{kind: name}`` from flags like ``--env math``; ``None`` values are skipped.
+        overrides: ``PATH=VALUE`` strings from ``--set``.
+
+    Raises:
+        ConfigError: naming the path of every bad key or value.
+        UnknownPluginError: for a plugin name nothing registers.
+    """
+    merged: dict[str, Any] = {}
+    for f in files:
+        _deep_merge(merged, read_config_file(f))
+    if data:
+        _deep_merge(merged, json.loads(json.dumps(data)))
+    for kind, name in (selections or {}).items():
+        if name is not None:
+            section = merged.setdefault(kind, {})
+            if not isinstance(section, dict):
+                raise ConfigError(f"$.{kind}: expected a table, got {type(section).__name__}")
+            section["name"] = name
+    for text in overrides:
+        path, value = parse_override(text)
+        _apply_override(merged, path, value, text)
+    _check_plugin_names(merged, registry)
+    converter = make_converter(registry)
+    try:
+        config = converter.structure(merged, RLJobConfig)
+    except (ClassValidationError, IterableValidationError) as exc:
+        raise ConfigError("invalid config:\n" + _format_structure_error(exc, merged)) from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+    config = _fill_plugin_defaults(config, registry, converter)
+    validate_config(config, registry, converter)
+    return config
+
+
+def _deep_merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _fill_plugin_defaults(config: RLJobConfig, registry: Registry, converter) -> RLJobConfig:  # type: ignore[no-untyped-def]
+    changes: dict[str, Any] = {}
+    for kind in CHOICE_TYPES:
+        choice = getattr(config, kind)
+        if choice.config is None:
+            record = registry.get(kind, choice.name)
+            choice = attrs.evolve(choice, config=record.config_class())
+            changes[kind] = choice
+    config = attrs.evolve(config, **changes)
+    if not config.curriculum.lessons:
+        env_record = registry.get("env", config.env.name)
+        if env_record.default_lessons is not None:  # type: ignore[attr-defined]
+            lessons = tuple(env_record.default_lessons(config.env.config))  # type: ignore[attr-defined]
+        else:
+            lessons = (LessonConfig(id=config.env.name),)
+        lessons = tuple(
+            attrs.evolve(lesson, env=lesson.env or config.env.name) for lesson in lessons
+        )
+        config = attrs.evolve(config, curriculum=attrs.evolve(config.curriculum, lessons=lessons))
+    return config
+
+
+def lesson_env_config(config: RLJobConfig, lesson: LessonConfig, registry: Registry) -> tuple[str, Any]:
+    """The env name and structured env config a lesson uses: the run's ``[env]`` config (when
+    the lesson uses the same env) with the lesson's ``env_config`` overrides on top."""
+    env_name = lesson.env or config.env.name
+    record = registry.get("env", env_name)
+    converter = make_converter(registry)
+    base = converter.unstructure(config.env.config) if env_name == config.env.name else {}
+    base.update(dict(lesson.env_config))
+    return env_name, converter.structure(base, record.config_class)
+
+
+def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> None:  # type: ignore[no-untyped-def]
+    """Checks that need more than one field: lesson ids and dependencies (a DAG), lesson env
+    configs, batch sizes. Raises :class:`ConfigError` naming the path."""
+    converter = converter or make_converter(registry)
+    lessons = config.curriculum.lessons
+    ids = [lesson.id for lesson in lessons]
+    errors: list[str] = []
+    for i, lesson in enumerate(lessons):
+        path = f"$.curriculum.lessons[{i}]"
+        if ids.count(lesson.id) > 1:
+            errors.append(f"{path}.id: lesson id {lesson.id!r} is used more than once")
+        for j, dep in enumerate(lesson.dependencies):
+            if dep.lesson not in ids:
+                close = difflib.get_close_matches(dep.lesson, ids, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                errors.append(
+                    f"{path}.dependencies[{j}].lesson: no lesson {dep.lesson!r}{hint}; "
+                    f"lessons: {', '.join(ids)}"
+                )
+        env_name = lesson.env or config.env.name
+        record = registry.get("env", env_name, where=f"{path}.env")
+        base = converter.unstructure(config.env.config) if env_name == config.env.name else {}
+        base.update(dict(lesson.env_config))
+        try:
+            converter.structure(base, record.config_class)
+        except (ClassValidationError, IterableValidationError) as exc:
+            errors.append(_format_structure_error(exc, base, prefix=f"{path}.env_config").strip())
+    cycle = _find_cycle({lesson.id: [d.lesson for d in lesson.dependencies] for lesson in lessons})
+    if cycle:
+        errors.append(f"$.curriculum.lessons: dependencies form a cycle: {' -> '.join(cycle)}")
+    for i, lesson in enumerate(lessons):
+        sampling = config.sampling_for(lesson)
+        path = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
+        per_batch = sampling.n_prompts * sampling.n_generations_per_prompt
+        if config.trainer.batch_size % sampling.n_generations_per_prompt:
+            errors.append(
+                f"$.trainer.batch_size: {config.trainer.batch_size} is not a multiple of "
+                f"{path}.n_generations_per_prompt ({sampling.n_generations_per_prompt}), so "
+                "training batches would split groups"
+            )
+        del per_batch
+    if config.num_rollout_workers < 1:
+        errors.append(f"$.num_rollout_workers: must be >= 1, got {config.num_rollout_workers}")
+    for name in ("num_train_steps", "batch_size", "sync_interval_steps", "checkpoint_interval_steps"):
+        if getattr(config.trainer, name) < 1:
+            errors.append(f"$.trainer.{name}: must be >= 1, got {getattr(config.trainer, name)}")
+    for tracker in config.logging.tracker:
+        if tracker not in ("jsonl", "wandb", "tensorboard"):
+            errors.append(
+                f"$.logging.tracker: unknown tracker {tracker!r}; choose from jsonl, wandb, tensorboard"
+            )
+    if errors:
+        raise ConfigError("invalid config:\n" + "\n".join(f"  {e}" for e in dict.fromkeys(errors)))
+
+
+def _find_cycle(graph: Mapping[str, Sequence[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if state.get(nxt) is None and nxt in graph:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in graph:
+        if state.get(node) is None:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+
+def unstructure_config(config: RLJobConfig, registry: Registry) -> dict[str, Any]:
+    """Plain data in the shape a ``--config`` file takes (``None`` values left out)."""
+    data = make_converter(registry).unstructure(config)
+    return _drop_none(data)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dump_config(config: RLJobConfig, registry: Registry, *, fmt: str = "toml") -> str:
+    """The resolved config as TOML or YAML text that ``--config`` reads back unchanged."""
+    data = unstructure_config(config, registry)
+    if fmt == "toml":
+        import tomli_w
+
+        return tomli_w.dumps(data)
+    if fmt in ("yaml", "yml"):
+        import yaml
+
+        return yaml.safe_dump(data, sort_keys=False)
+    raise ConfigError(f"unknown format {fmt!r}; choose toml or yaml")
+
+
+__all__ = [
+    "CHOICE_TYPES",
+    "CurriculumChoice",
+    "EnvChoice",
+    "EvalConfig",
+    "LessonConfig",
+    "LessonDependency",
+    "LoggingConfig",
+    "LossChoice",
+    "ModelConfig",
+    "PluginChoice",
+    "RLJobConfig",
+    "ReplayBufferConfig",
+    "SamplingParams",
+    "StorageChoice",
+    "TrainerConfig",
+    "WeightTransferChoice",
+    "dump_config",
+    "lesson_env_config",
+    "make_converter",
+    "read_config_file",
+    "resolve_config",
+    "unstructure_config",
+    "validate_config",
+]

@@ -1,0 +1,89 @@
+"""Errors a user can cause, and the exit codes the CLI maps them to.
+
+Every error here is raised *before* any work starts and carries a message that says what went
+wrong and what to do about it. The CLI prints the message and exits with ``error.exit_code``.
+This is a leaf module: it imports nothing from the rest of the core.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Iterable
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of the ``marinrl`` command (documented in ``docs/cli.md``)."""
+
+    OK = 0
+    FAILURE = 1
+    """The job started and then failed (for example a NaN loss)."""
+    USAGE = 2
+    """A malformed command line (typer/click's own usage errors)."""
+    CONFIG = 3
+    """A config file or ``--set`` override has an unknown key, a wrong type or a bad value."""
+    UNKNOWN_PLUGIN = 4
+    """A plugin name (``--env maht``) that no loaded plugin registers."""
+    PLUGIN_IMPORT = 5
+    """A plugin module failed to import."""
+    DUPLICATE_PLUGIN = 6
+    """Two plugins register the same name for one kind."""
+    PLUGIN_CONTRACT = 7
+    """A plugin breaks the hook contract (a hookimpl matching no hookspec, a malformed record)."""
+    NOT_AVAILABLE = 8
+    """The requested feature is not available in this version."""
+    INTERRUPTED = 130
+    """Stopped by Ctrl-C; a resumable checkpoint was written."""
+
+
+class MarinRLError(Exception):
+    """Base class of the errors a user can cause; ``str(err)`` is the full user-facing message."""
+
+    exit_code: ExitCode = ExitCode.FAILURE
+
+
+class ConfigError(MarinRLError):
+    """A config value is missing, unknown, mistyped or invalid. The message names its path."""
+
+    exit_code = ExitCode.CONFIG
+
+
+class UnknownPluginError(MarinRLError):
+    """A name that no loaded plugin registers for the requested kind."""
+
+    exit_code = ExitCode.UNKNOWN_PLUGIN
+
+    def __init__(self, kind: str, name: str, known: Iterable[str], *, where: str | None = None):
+        known = sorted(known)
+        self.kind, self.name, self.known = kind, name, known
+        close = difflib.get_close_matches(name, known, n=1)
+        lines = [f"unknown {kind} {name!r}" + (f" (at {where})" if where else "") + "."]
+        if close:
+            lines.append(f"Did you mean {close[0]!r}?")
+        lines.append(f"Registered {kind} plugins: {', '.join(known) if known else '(none)'}.")
+        lines.append("Run `marinrl plugins list` to see every plugin and where it comes from.")
+        super().__init__("\n".join(lines))
+
+
+class PluginImportError(MarinRLError):
+    """A plugin module (from an entry point or ``--plugin``) raised while importing."""
+
+    exit_code = ExitCode.PLUGIN_IMPORT
+
+
+class DuplicatePluginError(MarinRLError):
+    """Two or more plugins register the same name for one kind."""
+
+    exit_code = ExitCode.DUPLICATE_PLUGIN
+
+
+class PluginContractError(MarinRLError):
+    """A plugin breaks the hook contract: a hookimpl that matches no hookspec, a bad record."""
+
+    exit_code = ExitCode.PLUGIN_CONTRACT
+
+
+class FeatureNotAvailableError(MarinRLError):
+    """The command resolved its inputs but asks for something this version cannot do."""
+
+    exit_code = ExitCode.NOT_AVAILABLE

@@ -1,0 +1,170 @@
+"""Every hook a marinrl plugin can implement, and the records the registration hooks yield.
+
+This module is the reference for plugin authors. A plugin is a module with functions decorated
+``@marin_rl_core.hookimpl`` whose names match the hookspecs below; it is found through an entry
+point in group ``marinrl`` (or ``--plugin module.path``). Hooks are called by
+:class:`marin_rl_core.registry.Registry` and nothing else.
+
+All hooks run in the process that builds the registry: the CLI driver, and each Ray worker, which
+rebuilds the driver's exact plugin set. They must be cheap: import JAX, levanter or Ray inside
+``build``, never at module import, so that ``marinrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import pluggy
+
+from marin_rl_core.types import LessonConfig
+
+PROJECT = "marinrl"
+"""The marker name, the entry-point group and the hook-name prefix."""
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+def _check_config_class(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not (isinstance(value, type) and attrs.has(value)):
+        raise TypeError(f"{attribute.name} must be an attrs class, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class PluginRecord:
+    """What a registration hook yields for each name it provides.
+
+    Args:
+        name: the name users select it by (``--env NAME``); lowercase, ``[a-z0-9_-]``.
+        summary: one line for ``marinrl plugins list``.
+        config_class: an ``attrs`` class whose every field has a default; its fields are the
+            plugin's config keys (``[loss] kl_coef = 0.05``).
+        build: ``build(config)`` returns the object implementing the kind's protocol.
+    """
+
+    kind: ClassVar[str] = ""
+    protocol_name: ClassVar[str] = ""
+
+    name: str
+    summary: str
+    config_class: type = attrs.field(validator=_check_config_class)
+    build: Callable[..., Any]
+
+    def __attrs_post_init__(self) -> None:
+        import re
+
+        if not re.fullmatch(r"[a-z0-9][a-z0-9_-]*", self.name):
+            raise ValueError(f"plugin name {self.name!r} must match [a-z0-9][a-z0-9_-]*")
+        if "\n" in self.summary.strip():
+            raise ValueError(f"summary of {self.name!r} must be one line")
+
+
+@attrs.frozen(kw_only=True)
+class EnvPlugin(PluginRecord):
+    """An :class:`~marin_rl_core.protocols.Env`. ``build(config) -> Env``.
+
+    Args:
+        default_lessons: ``default_lessons(config) -> [LessonConfig, ...]``, the curriculum a
+            run uses when it names this env and defines no lessons of its own. ``None`` means a
+            single lesson with the env's config.
+    """
+
+    kind: ClassVar[str] = "env"
+    protocol_name: ClassVar[str] = "Env"
+    default_lessons: Callable[[Any], Sequence[LessonConfig]] | None = None
+
+
+@attrs.frozen(kw_only=True)
+class LossPlugin(PluginRecord):
+    """An :class:`~marin_rl_core.protocols.RLLossModule`. ``build(config) -> RLLossModule``."""
+
+    kind: ClassVar[str] = "loss"
+    protocol_name: ClassVar[str] = "RLLossModule"
+
+
+@attrs.frozen(kw_only=True)
+class StoragePlugin(PluginRecord):
+    """A :class:`~marin_rl_core.protocols.RolloutStorage`. ``build(config) -> RolloutStorage``."""
+
+    kind: ClassVar[str] = "storage"
+    protocol_name: ClassVar[str] = "RolloutStorage"
+
+
+@attrs.frozen(kw_only=True)
+class WeightTransferPlugin(PluginRecord):
+    """A :class:`~marin_rl_core.protocols.WeightTransfer`. ``build(config) -> WeightTransfer``."""
+
+    kind: ClassVar[str] = "weight_transfer"
+    protocol_name: ClassVar[str] = "WeightTransfer"
+
+
+@attrs.frozen(kw_only=True)
+class CurriculumPlugin(PluginRecord):
+    """A :class:`~marin_rl_core.protocols.CurriculumPolicy`.
+    ``build(config, lessons) -> CurriculumPolicy``."""
+
+    kind: ClassVar[str] = "curriculum"
+    protocol_name: ClassVar[str] = "CurriculumPolicy"
+
+
+RECORD_TYPES: dict[str, type[PluginRecord]] = {
+    cls.kind: cls
+    for cls in (EnvPlugin, LossPlugin, StoragePlugin, WeightTransferPlugin, CurriculumPlugin)
+}
+"""Every plugin kind, by its name in configs and on the command line."""
+
+
+# --- registration: called once per registry build, results cached -----------------------------
+
+
+@hookspec
+def marinrl_register_envs() -> Iterable[EnvPlugin]:
+    """Yield an :class:`EnvPlugin` for each environment this plugin provides.
+
+    Called once when a registry is built, in every process that builds one. All results are
+    collected; a name yielded by two plugins is an error listing both.
+    """
+
+
+@hookspec
+def marinrl_register_losses() -> Iterable[LossPlugin]:
+    """Yield a :class:`LossPlugin` for each RL loss (``--loss NAME``) this plugin provides.
+
+    Called once per registry build; all results are collected.
+    """
+
+
+@hookspec
+def marinrl_register_storages() -> Iterable[StoragePlugin]:
+    """Yield a :class:`StoragePlugin` for each rollout storage (``--storage NAME``).
+
+    Called once per registry build; all results are collected.
+    """
+
+
+@hookspec
+def marinrl_register_weight_transfers() -> Iterable[WeightTransferPlugin]:
+    """Yield a :class:`WeightTransferPlugin` for each weight-sync mechanism
+    (``--weight-transfer NAME``).
+
+    Called once per registry build; all results are collected.
+    """
+
+
+@hookspec
+def marinrl_register_curricula() -> Iterable[CurriculumPlugin]:
+    """Yield a :class:`CurriculumPlugin` for each curriculum policy (``--curriculum NAME``).
+
+    Called once per registry build; all results are collected.
+    """
+
+
+REGISTRATION_HOOKS: dict[str, str] = {
+    "env": "marinrl_register_envs",
+    "loss": "marinrl_register_losses",
+    "storage": "marinrl_register_storages",
+    "weight_transfer": "marinrl_register_weight_transfers",
+    "curriculum": "marinrl_register_curricula",
+}

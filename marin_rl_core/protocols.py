@@ -1,0 +1,187 @@
+"""The protocols every plugin kind implements.
+
+A plugin's ``build`` function (see :mod:`marin_rl_core.hookspecs`) returns an object satisfying
+one of these. They are structural (``typing.Protocol``): implement the methods, no base class to
+inherit. ``marin_rl_core.testing`` checks them for plugin authors.
+
+A leaf module: model and array types are ``Any`` here so that importing it needs no JAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from marin_rl_core.types import LessonConfig, LessonStats, Problem, RolloutBatch, RolloutGroup
+
+Mode = Literal["train", "eval"]
+
+
+@runtime_checkable
+class Env(Protocol):
+    """A source of problems and a grader for the policy's answers.
+
+    The rollout side asks for problems, samples responses with the current policy, and asks the
+    env to score each one. Envs know nothing of workers, weights or metadata. ``score`` may raise
+    for a malformed problem or response: the rollout side then drops that one problem, counts it
+    in the ``env_errors`` metric, and carries on.
+    """
+
+    def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
+        """Return ``n`` problems. ``mode="eval"`` draws from a held-out split that training
+        never sees; the same ``seed`` gives the same problems."""
+        ...
+
+    def score(self, problem: Problem, response: str) -> float:
+        """Return the reward of ``response`` (decoded text, stop token removed) for ``problem``."""
+        ...
+
+
+@runtime_checkable
+class RLLossModule(Protocol):
+    """An RL objective: how a group's rewards become advantages, and the loss on a batch.
+
+    Lifecycle: the trainer calls ``build(reference_model)`` once and uses the returned module;
+    the replay buffer calls ``compute_advantages`` as rollouts arrive; the trainer calls
+    ``create_loss_fn`` once and jits the result.
+    """
+
+    @property
+    def needs_reference_model(self) -> bool:
+        """Whether ``create_loss_fn`` uses the frozen reference model (e.g. for a KL term).
+        When ``False`` the trainer passes ``None`` and keeps no reference copy."""
+        ...
+
+    def build(self, reference_model: Any) -> RLLossModule:
+        """Prepare the module for training (e.g. initialise a value head); may return ``self``."""
+        ...
+
+    def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
+        """Return one float32 advantage per rollout of ``group``, in order."""
+        ...
+
+    def create_loss_fn(self, reference_model: Any, train_model: Any) -> Callable[..., Any]:
+        """Return ``loss_fn(model, batch, *, key) -> (loss, metrics)``, a pure JAX function of
+        the trainable model and a :class:`~marin_rl_core.training_batch.TrainingBatch`.
+        ``train_model`` is the initial policy, for losses that need its structure."""
+        ...
+
+
+@runtime_checkable
+class RolloutWriter(Protocol):
+    """The rollout workers' end of rollout storage."""
+
+    def write_batch(self, batch: RolloutBatch, *, timeout: float | None = None) -> None:
+        """Store ``batch``. Blocks while storage is full (back-pressure) up to ``timeout``
+        seconds, then raises ``TimeoutError``; once it returns the batch will be delivered."""
+        ...
+
+
+@runtime_checkable
+class RolloutReader(Protocol):
+    """The trainer's end of rollout storage."""
+
+    def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
+        """Return up to ``max_batches`` batches not returned before, waiting up to ``timeout``
+        seconds for the first one; an empty list when none arrived."""
+        ...
+
+
+@runtime_checkable
+class RolloutStorage(Protocol):
+    """Where rollouts go between the rollout workers and the trainer.
+
+    Built once by the driver; ``writer()`` and ``reader()`` are called on the worker processes,
+    so the storage object must be picklable (a handle, not the data).
+    """
+
+    def writer(self) -> RolloutWriter:
+        ...
+
+    def reader(self) -> RolloutReader:
+        ...
+
+
+@runtime_checkable
+class WeightTransferServer(Protocol):
+    """The trainer's end: publishes new policy weights."""
+
+    @property
+    def address(self) -> str:
+        """Where clients connect (e.g. ``grpc://127.0.0.1:PORT``)."""
+        ...
+
+    def publish(self, model: Any, *, weight_step: int) -> None:
+        """Make ``model``'s weights, tagged ``weight_step``, what clients receive next."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class WeightTransferClient(Protocol):
+    """A rollout worker's end: fetches newer weights when there are some."""
+
+    def receive(self, like_model: Any) -> tuple[Any, int] | None:
+        """Return ``(model, weight_step)`` with weights newer than the last ones received,
+        shaped like ``like_model``, or ``None`` if nothing newer was published."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+
+@runtime_checkable
+class WeightTransfer(Protocol):
+    """A mechanism that moves weights trainer → rollout workers across processes."""
+
+    def server(self) -> WeightTransferServer:
+        """Start serving (called once, in the trainer process)."""
+        ...
+
+    def client(self, address: str) -> WeightTransferClient:
+        """Connect to the server at ``address`` (called in each rollout worker process)."""
+        ...
+
+
+@runtime_checkable
+class CurriculumPolicy(Protocol):
+    """Decides which lesson each rollout batch trains on, from eval and training stats.
+
+    A lesson is *locked* until its dependencies reach their thresholds, then *active*, and
+    *graduated* once its eval reward reaches ``stop_threshold`` (or plateaus above its
+    ``start_threshold``). Graduated lessons are still evaluated but rarely sampled.
+    """
+
+    def sample_lesson(self, *, seed: int) -> str:
+        """Return the id of the lesson to sample next."""
+        ...
+
+    def update_eval(self, stats: LessonStats) -> None:
+        """Record a full evaluation of one lesson; may unlock or graduate lessons."""
+        ...
+
+    def update_training(self, stats: LessonStats) -> None:
+        """Record the rewards of a training batch of one lesson."""
+        ...
+
+    def lesson_states(self) -> dict[str, str]:
+        """``{lesson_id: "locked" | "active" | "graduated"}``."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """JSON-serialisable state, saved beside trainer checkpoints."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ...
+
+
+EnvBuild = Callable[[Any], Env]
+LossBuild = Callable[[Any], RLLossModule]
+StorageBuild = Callable[[Any], RolloutStorage]
+WeightTransferBuild = Callable[[Any], WeightTransfer]
+CurriculumBuild = Callable[[Any, Sequence[LessonConfig]], CurriculumPolicy]
