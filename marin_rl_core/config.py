@@ -275,7 +275,7 @@ def make_converter(registry: Registry) -> cattrs.Converter:
             raise TypeError(f"expected a table, got {type(value).__name__}")
         return dict(value)
 
-    converter.register_structure_hook(Mapping[str, Any], structure_mapping)
+    converter.register_structure_hook_func(lambda t: t == Mapping[str, Any], structure_mapping)
 
     for kind, choice_cls in CHOICE_TYPES.items():
         converter.register_structure_hook(

@@ -194,7 +194,7 @@ def _check_pending(pm: pluggy.PluginManager, provenance: dict[str, tuple[str, st
         if caller.spec is not None:
             continue
         for impl in caller.get_hookimpls():
-            if impl.hookimpl_config.optionalhook:
+            if impl.optionalhook:
                 continue
             dist, version = provenance.get(impl.plugin_name, (LOCAL, ""))
             import difflib

@@ -1,0 +1,310 @@
+"""The ``marinrl`` command.
+
+Every command builds its own registry (``--plugin`` / ``--disable-plugin`` shape it), resolves
+the config, and turns a :class:`~marin_rl_core.errors.MarinRLError` into a message on stderr and
+its documented exit code (``docs/cli.md``). Nothing here imports JAX, levanter or Ray at module
+level: ``marinrl --help`` and ``marinrl plugins list`` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+
+from marin_rl_core.errors import ExitCode, MarinRLError
+from marin_rl_core.hookspecs import PROJECT, RECORD_TYPES
+
+app = typer.Typer(
+    name="marinrl",
+    help="Reinforcement learning for language models, extended by plugins.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+plugins_app = typer.Typer(help="Inspect the installed plugins.", no_args_is_help=True)
+config_app = typer.Typer(help="Show and check run configs.", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+app.add_typer(config_app, name="config")
+
+PLUGINS_PANEL = "Plugins"
+SELECT_PANEL = "Plugin selection"
+CONFIG_PANEL = "Configuration"
+
+PluginOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--plugin",
+        help="Load an extra plugin module (import path). Repeatable.",
+        rich_help_panel=PLUGINS_PANEL,
+    ),
+]
+DisableOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--disable-plugin",
+        help="Skip an installed plugin by its entry-point name. Repeatable.",
+        rich_help_panel=PLUGINS_PANEL,
+    ),
+]
+ConfigOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="A run config (.toml or .yaml). Repeatable; later files win.",
+        rich_help_panel=CONFIG_PANEL,
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override one value: --set loss.kl_coef=0.05 (TOML value syntax). Repeatable.",
+        rich_help_panel=CONFIG_PANEL,
+    ),
+]
+
+
+def _select(kind: str) -> Any:
+    return typer.Option(
+        f"--{kind.replace('_', '-')}",
+        help=f"The {kind.replace('_', ' ')} plugin to use (see `marinrl plugins list --kind {kind}`).",
+        rich_help_panel=SELECT_PANEL,
+    )
+
+
+EnvOpt = Annotated[str | None, _select("env")]
+LossOpt = Annotated[str | None, _select("loss")]
+StorageOpt = Annotated[str | None, _select("storage")]
+WeightTransferOpt = Annotated[str | None, _select("weight_transfer")]
+CurriculumOpt = Annotated[str | None, _select("curriculum")]
+
+T = TypeVar("T")
+
+
+def _err(message: str) -> None:
+    typer.echo(f"error: {message}", err=True)
+
+
+def _guarded(fn: Callable[[], T]) -> T:
+    """Run ``fn``; a user-caused error becomes a message and its exit code."""
+    try:
+        return fn()
+    except MarinRLError as exc:
+        _err(str(exc))
+        raise typer.Exit(int(exc.exit_code)) from None
+
+
+def _registry(plugin: list[str] | None, disable: list[str] | None):  # type: ignore[no-untyped-def]
+    from marin_rl_core.registry import build_registry
+
+    return build_registry(extra=plugin or (), blocked=disable or ())
+
+
+def _resolve(
+    registry: Any,
+    *,
+    config: list[Path] | None,
+    set_: list[str] | None,
+    selections: dict[str, str | None],
+    extra_overrides: list[str] = (),  # type: ignore[assignment]
+):  # type: ignore[no-untyped-def]
+    from marin_rl_core.config import resolve_config
+
+    return resolve_config(
+        registry,
+        files=config or (),
+        selections=selections,
+        overrides=[*(set_ or ()), *extra_overrides],
+    )
+
+
+@app.callback()
+def main_callback() -> None:
+    """marinrl: RLOO/PPO post-training of language models on JAX, levanter and Ray.
+
+    Every concrete piece (envs, losses, rollout storage, weight transfer, curricula) is a plugin;
+    `marinrl plugins list` shows what is installed. Docs: docs/index.md.
+    """
+
+
+@app.command()
+def run(
+    config: ConfigOpt = None,
+    env: EnvOpt = None,
+    loss: LossOpt = None,
+    storage: StorageOpt = None,
+    weight_transfer: WeightTransferOpt = None,
+    curriculum: CurriculumOpt = None,
+    set_: SetOpt = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Address of a running Ray cluster; default starts a local Ray."),
+    ] = None,
+    run_id: Annotated[str | None, typer.Option(help="Name of the run directory.")] = None,
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Train: launch a trainer and rollout workers as a Ray job."""
+    overrides = []
+    if ray_address is not None:
+        overrides.append(f"ray_address={json.dumps(ray_address)}")
+    if run_id is not None:
+        overrides.append(f"run_id={json.dumps(run_id)}")
+
+    def go() -> None:
+        registry = _registry(plugin, disable_plugin)
+        cfg = _resolve(
+            registry,
+            config=config,
+            set_=set_,
+            selections={
+                "env": env,
+                "loss": loss,
+                "storage": storage,
+                "weight_transfer": weight_transfer,
+                "curriculum": curriculum,
+            },
+            extra_overrides=overrides,
+        )
+        from marin_rl_core.errors import FeatureNotAvailableError
+
+        raise FeatureNotAvailableError(
+            "the config is valid and every plugin resolved "
+            f"(env={cfg.env.name}, loss={cfg.loss.name}, storage={cfg.storage.name}, "
+            f"weight_transfer={cfg.weight_transfer.name}, curriculum={cfg.curriculum.name}), "
+            "but training is not available yet in this version of marinrl.\n"
+            "`marinrl config show` prints the resolved config."
+        )
+
+    _guarded(go)
+
+
+@plugins_app.command("list")
+def plugins_list(
+    kind: Annotated[
+        str | None,
+        typer.Option(help=f"Only this kind: {', '.join(RECORD_TYPES)}."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """List every registered plugin: name, kind, summary, distribution and version."""
+    if kind is not None and kind not in RECORD_TYPES:
+        import difflib
+
+        close = difflib.get_close_matches(kind, list(RECORD_TYPES), n=1)
+        raise typer.BadParameter(
+            f"unknown kind {kind!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else "")
+            + f"; choose from {', '.join(RECORD_TYPES)}",
+            param_hint="--kind",
+        )
+
+    def go() -> None:
+        registry = _registry(plugin, disable_plugin)
+        rows = []
+        for entry in registry.entries(kind):
+            hooks = sorted(
+                impl_name
+                for impl_name in dir(registry.manager.hook)
+                if impl_name.startswith(PROJECT + "_")
+                and any(
+                    i.plugin_name == entry.plugin
+                    for i in getattr(registry.manager.hook, impl_name).get_hookimpls()
+                )
+            )
+            rows.append(
+                {
+                    "name": entry.name,
+                    "kind": entry.kind,
+                    "summary": entry.record.summary,
+                    "distribution": entry.distribution,
+                    "version": entry.version,
+                    "plugin": entry.plugin,
+                    "hooks": hooks,
+                }
+            )
+        if as_json:
+            typer.echo(json.dumps(rows, indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("name", "kind", "summary", "distribution", "version")
+        for row in rows:
+            table.add_row(
+                row["name"], row["kind"], row["summary"], row["distribution"], row["version"]
+            )
+        Console().print(table)
+        if registry.disabled:
+            typer.echo(f"disabled: {', '.join(registry.disabled)}")
+
+    _guarded(go)
+
+
+@config_app.command("show")
+def config_show(
+    config: ConfigOpt = None,
+    env: EnvOpt = None,
+    loss: LossOpt = None,
+    storage: StorageOpt = None,
+    weight_transfer: WeightTransferOpt = None,
+    curriculum: CurriculumOpt = None,
+    set_: SetOpt = None,
+    fmt: Annotated[str, typer.Option("--format", help="toml or yaml.")] = "toml",
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Print the fully resolved config, defaults included, as a --config file takes it."""
+
+    def go() -> None:
+        from marin_rl_core.config import dump_config
+
+        registry = _registry(plugin, disable_plugin)
+        cfg = _resolve(
+            registry,
+            config=config,
+            set_=set_,
+            selections={
+                "env": env,
+                "loss": loss,
+                "storage": storage,
+                "weight_transfer": weight_transfer,
+                "curriculum": curriculum,
+            },
+        )
+        typer.echo(dump_config(cfg, registry, fmt=fmt), nl=False)
+
+    _guarded(go)
+
+
+@config_app.command("validate")
+def config_validate(
+    file: Annotated[Path, typer.Argument(help="The config file to check.")],
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Check a config file: keys, types, plugin names, curriculum; exit 0 when valid."""
+
+    def go() -> None:
+        registry = _registry(plugin, disable_plugin)
+        _resolve(registry, config=[file], set_=None, selections={})
+        typer.echo(f"{file}: valid")
+
+    _guarded(go)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        _err("interrupted")
+        sys.exit(int(ExitCode.INTERRUPTED))

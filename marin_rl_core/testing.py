@@ -1,0 +1,189 @@
+"""Test helpers for plugin authors: an opt-in pytest plugin.
+
+Enable it in your ``conftest.py``::
+
+    pytest_plugins = ["marin_rl_core.testing"]
+
+and use the ``plugin_registry`` fixture plus the contract checks::
+
+    import my_plugin
+    from marin_rl_core.testing import check_plugin
+
+    def test_my_env_honours_the_contract(plugin_registry):
+        registry = plugin_registry(my_plugin)  # only this plugin, no entry points
+        check_plugin(registry.get("env", "my-env"))
+
+The checks assert what marinrl relies on: the record's config class has defaults that structure
+and unstructure through the run-config converter, ``build`` returns an object satisfying the
+kind's protocol, and for envs, losses and curricula a tiny call works.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from marin_rl_core import protocols
+from marin_rl_core.hookspecs import (
+    CurriculumPlugin,
+    EnvPlugin,
+    LossPlugin,
+    PluginRecord,
+    StoragePlugin,
+    WeightTransferPlugin,
+)
+from marin_rl_core.registry import Registry, build_registry
+from marin_rl_core.types import (
+    LessonConfig,
+    LessonDependency,
+    LessonStats,
+    Problem,
+    Rollout,
+    RolloutGroup,
+)
+
+
+@pytest.fixture
+def plugin_registry() -> Callable[..., Registry]:
+    """A factory: ``plugin_registry(module, ...)`` builds a fresh registry holding only the
+    given plugin modules (no installed entry points), as the CLI would load them."""
+
+    def make(*modules: Any) -> Registry:
+        return build_registry(autoload=False, modules=modules)
+
+    return make
+
+
+def check_config_class(record: PluginRecord) -> Any:
+    """The config class instantiates with no arguments and survives unstructure/structure
+    through the strict run-config converter (so ``marinrl config show`` output reads back)."""
+    from marin_rl_core.config import make_converter
+
+    try:
+        config = record.config_class()
+    except TypeError as exc:
+        raise AssertionError(
+            f"{record.kind} {record.name!r}: every field of {record.config_class.__name__} needs "
+            f"a default ({exc})"
+        ) from exc
+    converter = make_converter(build_registry(autoload=False))
+    data = converter.unstructure(config)
+    json.dumps(data)  # plain data only
+    again = converter.structure(data, record.config_class)
+    assert again == config, f"{record.config_class.__name__} does not round-trip: {again!r}"
+    return config
+
+
+def _protocol(record: PluginRecord) -> type:
+    return getattr(protocols, record.protocol_name)
+
+
+def check_env(record: EnvPlugin) -> None:
+    """Contract of an env: problems per mode and seed, determinism, a float score."""
+    env = record.build(check_config_class(record))
+    assert isinstance(env, protocols.Env), f"env {record.name!r}: build() must return an Env"
+    for mode in ("train", "eval"):
+        problems = env.sample_problems(3, mode=mode, seed=0)
+        assert len(problems) == 3 and all(isinstance(p, Problem) for p in problems)
+        again = env.sample_problems(3, mode=mode, seed=0)
+        assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
+        for problem in problems:
+            assert isinstance(problem.prompt, str) and problem.prompt
+            assert isinstance(env.score(problem, problem.answer), float)
+    if record.default_lessons is not None:
+        lessons = list(record.default_lessons(record.config_class()))
+        assert lessons and all(isinstance(lesson, LessonConfig) for lesson in lessons)
+
+
+def _tiny_group(rewards: list[float]) -> RolloutGroup:
+    return RolloutGroup(
+        rollouts=[
+            Rollout(
+                env_name="check",
+                lesson_id="check",
+                problem_id="p0",
+                prompt_tokens=[1, 2],
+                response_tokens=[3],
+                response_logprobs=[-0.5],
+                reward=r,
+            )
+            for r in rewards
+        ]
+    )
+
+
+def check_loss(record: LossPlugin) -> None:
+    """Contract of a loss: protocol, ``build``, one finite advantage per rollout, and equal
+    rewards giving zero advantage."""
+    loss = record.build(check_config_class(record))
+    assert isinstance(loss, protocols.RLLossModule), f"loss {record.name!r}: not an RLLossModule"
+    assert isinstance(loss.needs_reference_model, bool)
+    adv = np.asarray(loss.compute_advantages(_tiny_group([0.0, 1.0, 1.0, 0.0])))
+    assert adv.shape == (4,) and np.all(np.isfinite(adv))
+    assert adv[1] > adv[0], "a higher reward must get a higher advantage"
+    flat = np.asarray(loss.compute_advantages(_tiny_group([1.0, 1.0])))
+    assert np.allclose(flat, 0.0), "identical rewards carry no signal"
+
+
+def check_storage(record: StoragePlugin) -> None:
+    """Contract of a storage: protocol only (a round trip may need a running service)."""
+    storage = record.build(check_config_class(record))
+    assert isinstance(storage, protocols.RolloutStorage), f"storage {record.name!r}"
+
+
+def check_weight_transfer(record: WeightTransferPlugin) -> None:
+    """Contract of a weight transfer: protocol only (serving needs a network)."""
+    transfer = record.build(check_config_class(record))
+    assert isinstance(transfer, protocols.WeightTransfer), f"weight_transfer {record.name!r}"
+
+
+def check_curriculum(record: CurriculumPlugin) -> None:
+    """Contract of a curriculum: samples only unlocked lessons, unlocks on eval, state
+    round-trips through JSON."""
+    lessons = [
+        LessonConfig(id="easy", stop_threshold=0.9),
+        LessonConfig(id="hard", dependencies=[LessonDependency(lesson="easy", reward_threshold=0.5)]),
+    ]
+    policy = record.build(check_config_class(record), lessons)
+    assert isinstance(policy, protocols.CurriculumPolicy), f"curriculum {record.name!r}"
+    assert {policy.sample_lesson(seed=s) for s in range(20)} == {"easy"}
+    assert policy.lesson_states()["hard"] == "locked"
+    policy.update_training(LessonStats(lesson_id="easy", mean_reward=0.6, n_rollouts=8, step=1))
+    policy.update_eval(LessonStats(lesson_id="easy", mean_reward=0.95, n_rollouts=8, step=1))
+    assert policy.lesson_states()["hard"] == "active"
+    assert "hard" in {policy.sample_lesson(seed=s) for s in range(50)}
+    state = json.loads(json.dumps(policy.state_dict()))
+    fresh = record.build(record.config_class(), lessons)
+    fresh.load_state_dict(state)
+    assert fresh.lesson_states() == policy.lesson_states()
+
+
+CHECKS: dict[str, Callable[[Any], None]] = {
+    "env": check_env,
+    "loss": check_loss,
+    "storage": check_storage,
+    "weight_transfer": check_weight_transfer,
+    "curriculum": check_curriculum,
+}
+
+
+def check_plugin(record: PluginRecord) -> None:
+    """Run the contract checks for ``record``'s kind."""
+    CHECKS[record.kind](record)
+
+
+__all__ = [
+    "CHECKS",
+    "check_config_class",
+    "check_curriculum",
+    "check_env",
+    "check_loss",
+    "check_plugin",
+    "check_storage",
+    "check_weight_transfer",
+    "plugin_registry",
+]

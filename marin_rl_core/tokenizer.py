@@ -1,0 +1,262 @@
+"""Tokenizers behind one small interface: the arithmetic tokenizer built in code, or a local
+Hugging Face tokenizer directory.
+
+The arithmetic tokenizer needs no download. Its vocabulary is the specials (``<pad>``, ``<bos>``,
+``<eos>``, ``<unk>``), every integer ``0``-``99`` as one token, arithmetic and punctuation
+symbols, the space, the lowercase letters and a few whole words the mock env uses. Text is cut
+by one regular expression, tried left to right:
+
+* a whole vocabulary word (``count``, ``sort`` ...);
+* a number: ``[1-9][0-9]`` or one digit, so ``"7"`` and ``"42"`` are single tokens and longer
+  runs split into chunks (``"123"`` -> ``"12"``, ``"3"``; ``"05"`` -> ``"0"``, ``"5"``);
+* any other single character, which is a token when it is in the vocabulary and ``<unk>``
+  otherwise.
+
+Decoding concatenates the pieces, so ``decode(encode(text)) == text`` for any text made of
+vocabulary characters. :meth:`ArithmeticTokenizer.to_hf` builds a ``PreTrainedTokenizerFast``
+with the same vocabulary and splitting, for levanter code that needs a Hugging Face tokenizer
+(``HFCheckpointConverter`` sizes the vocabulary and fills ``pad/bos/eos_token_id`` from one).
+
+This module imports no JAX; ``transformers`` is imported only when a Hugging Face tokenizer is
+built or loaded.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
+NUMBER_TOKENS: tuple[str, ...] = tuple(str(i) for i in range(100))
+SYMBOL_TOKENS: tuple[str, ...] = (
+    " ", "+", "-", "*", "/", "=", "(", ")", ",", ".", "?", ":", "<", ">", "!", "\n",
+)  # fmt: skip
+LETTER_TOKENS: tuple[str, ...] = tuple("abcdefghijklmnopqrstuvwxyz")
+WORD_TOKENS: tuple[str, ...] = (
+    # task verbs of the mock env, and a few words its problems are made of
+    "count", "sort", "reverse", "copy", "max", "min", "sum", "what", "is", "the", "answer",
+    "cat", "dog", "fox", "owl", "bee", "ant", "cow", "pig", "hen", "yak",
+)  # fmt: skip
+
+ARITHMETIC_VOCAB: tuple[str, ...] = (
+    SPECIAL_TOKENS + NUMBER_TOKENS + SYMBOL_TOKENS + LETTER_TOKENS + WORD_TOKENS
+)
+"""Every token of the arithmetic tokenizer, in id order (``<pad>`` is 0, the number ``n`` is
+``n + 4``)."""
+
+# Longest words first so that a word is never cut short by a shorter one it starts with.
+_WORD_ALTERNATIVES = "|".join(sorted(WORD_TOKENS, key=lambda w: (-len(w), w)))
+SPLIT_PATTERN = rf"(?:{_WORD_ALTERNATIVES})|[1-9][0-9]|[0-9]|[\s\S]"
+"""The regular expression that cuts text into pieces (shared with the Hugging Face version)."""
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What marinrl needs from a tokenizer."""
+
+    @property
+    def vocab_size(self) -> int:
+        """The number of token ids (the model's vocabulary axis size)."""
+        ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``, with the BOS id in front when ``add_bos`` (and one exists)."""
+        ...
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens (pad, bos, eos) are dropped unless asked for."""
+        ...
+
+    def to_hf(self) -> Any:
+        """A ``transformers.PreTrainedTokenizerBase`` with the same vocabulary."""
+        ...
+
+
+class ArithmeticTokenizer:
+    """The tokenizer built in code (see the module docstring). Stateless and picklable."""
+
+    def __init__(self) -> None:
+        self._id_of = {token: i for i, token in enumerate(ARITHMETIC_VOCAB)}
+        if len(self._id_of) != len(ARITHMETIC_VOCAB):
+            raise AssertionError("the arithmetic vocabulary has a duplicate token")
+        self._split = re.compile(SPLIT_PATTERN)
+        self._special_ids = frozenset(self._id_of[t] for t in (PAD, BOS, EOS))
+
+    @property
+    def vocab(self) -> tuple[str, ...]:
+        return ARITHMETIC_VOCAB
+
+    @property
+    def vocab_size(self) -> int:
+        return len(ARITHMETIC_VOCAB)
+
+    @property
+    def pad_id(self) -> int:
+        return self._id_of[PAD]
+
+    @property
+    def bos_id(self) -> int:
+        return self._id_of[BOS]
+
+    @property
+    def eos_id(self) -> int:
+        return self._id_of[EOS]
+
+    @property
+    def unk_id(self) -> int:
+        return self._id_of[UNK]
+
+    def token_id(self, token: str) -> int:
+        """The id of one vocabulary entry (``token_id("7")``, ``token_id("+")``)."""
+        try:
+            return self._id_of[token]
+        except KeyError:
+            raise KeyError(f"{token!r} is not in the arithmetic vocabulary") from None
+
+    def tokenize(self, text: str) -> list[str]:
+        """The pieces ``text`` is cut into (before mapping to ids)."""
+        return self._split.findall(text)
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = [self._id_of.get(piece, self.unk_id) for piece in self._split.findall(text)]
+        return [self.bos_id, *ids] if add_bos else ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        pieces = []
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < len(ARITHMETIC_VOCAB):
+                raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+            if skip_special_tokens and i in self._special_ids:
+                continue
+            pieces.append(ARITHMETIC_VOCAB[i])
+        return "".join(pieces)
+
+    def to_hf(self) -> Any:
+        """A ``PreTrainedTokenizerFast`` that encodes and decodes exactly like this one.
+
+        ``tokenizer(text)`` adds ``<bos>`` in front (``add_special_tokens=False`` does not).
+        """
+        from tokenizers import Regex, decoders, pre_tokenizers, processors
+        from tokenizers import Tokenizer as RawTokenizer
+        from tokenizers.models import WordLevel
+        from transformers import PreTrainedTokenizerFast
+
+        raw = RawTokenizer(WordLevel(vocab=dict(self._id_of), unk_token=UNK))
+        raw.pre_tokenizer = pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated")
+        raw.decoder = decoders.Fuse()
+        raw.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, self.bos_id)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=raw,
+            pad_token=PAD,
+            bos_token=BOS,
+            eos_token=EOS,
+            unk_token=UNK,
+            clean_up_tokenization_spaces=False,
+            model_max_length=4096,
+        )
+
+    def __repr__(self) -> str:
+        return f"ArithmeticTokenizer(vocab_size={self.vocab_size})"
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (loaded from a local directory) behind :class:`Tokenizer`.
+
+    A tokenizer without a pad token uses its EOS token for padding (padding is always masked
+    out of the loss, so which id fills it does not matter).
+    """
+
+    def __init__(self, hf_tokenizer: Any):
+        self._hf = hf_tokenizer
+        if hf_tokenizer.eos_token_id is None:
+            raise ValueError(
+                f"the tokenizer {getattr(hf_tokenizer, 'name_or_path', '')!r} has no EOS token; "
+                "marinrl needs one to end responses. Set `eos_token` in its tokenizer_config.json."
+            )
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._hf)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self._hf.pad_token_id
+        return int(pad) if pad is not None else int(self._hf.eos_token_id)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = self._hf.bos_token_id
+        return int(bos) if bos is not None else None
+
+    @property
+    def eos_id(self) -> int:
+        return int(self._hf.eos_token_id)
+
+    def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+        ids = list(self._hf.encode(text, add_special_tokens=False))
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def to_hf(self) -> Any:
+        return self._hf
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({getattr(self._hf, 'name_or_path', '')!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """The tokenizer ``ModelConfig.tokenizer`` names.
+
+    Args:
+        spec: ``"arithmetic"`` for :class:`ArithmeticTokenizer`, or the path of a local Hugging
+            Face tokenizer directory (one with ``tokenizer.json`` or ``tokenizer_config.json``,
+            e.g. a checkpoint directory). Nothing is downloaded.
+
+    Raises:
+        ValueError: for a path that does not exist or holds no tokenizer.
+    """
+    if spec == "arithmetic":
+        return ArithmeticTokenizer()
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"tokenizer {spec!r} is neither 'arithmetic' nor a local directory. Use "
+            "model.tokenizer = \"arithmetic\" or the path of a Hugging Face tokenizer directory "
+            "(downloads from the Hub are not supported)."
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"could not load a Hugging Face tokenizer from {str(path)!r}: {exc}") from exc
+    return HFTokenizer(hf)
+
+
+__all__ = [
+    "ARITHMETIC_VOCAB",
+    "ArithmeticTokenizer",
+    "HFTokenizer",
+    "SPLIT_PATTERN",
+    "Tokenizer",
+    "load_tokenizer",
+]

@@ -1,0 +1,42 @@
+"""Developer sessions. `nox` runs the defaults (tests); `nox -s slow` runs the long ones."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+PYTHON = "3.11"
+
+
+def _install(session: nox.Session, extra: str) -> None:
+    session.install("-e", f".[{extra}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Run the fast test suite (everything not marked slow)."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python=PYTHON, default=False)
+def slow(session: nox.Session) -> None:
+    """Run the long-running tests (full training runs that must learn)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "slow", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """Check style with ruff."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "marin_rl_core", "plugins", "tests", "bench", "examples", "noxfile.py")
+
+
+@nox.session(python=PYTHON, default=False)
+def typecheck(session: nox.Session) -> None:
+    """Type-check the core and the built-in plugins with mypy."""
+    _install(session, "dev")
+    session.run("mypy", *session.posargs)

@@ -1,0 +1,58 @@
+"""Shared fixtures for marinrl's own tests."""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+pytest_plugins = ["marin_rl_core.testing"]
+
+
+@pytest.fixture
+def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
+    """Install a distribution the way ``pip install --target`` lays it out (modules plus a
+    ``.dist-info`` with ``entry_points.txt``) into a fresh directory on ``sys.path``.
+
+    ``importlib.metadata`` discovers it like any installed package, so entry-point loading is
+    exercised for real; the directory disappears with the test.
+    """
+
+    def install(
+        name: str,
+        version: str,
+        *,
+        entry_points: Mapping[str, str],
+        modules: Mapping[str, str],
+    ) -> Path:
+        root = tmp_path / f"site-{name}"
+        root.mkdir()
+        for module, source in modules.items():
+            (root / f"{module}.py").write_text(textwrap.dedent(source))
+        dist_info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+        dist_info.mkdir()
+        (dist_info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        )
+        lines = "".join(f"{ep} = {target}\n" for ep, target in entry_points.items())
+        (dist_info / "entry_points.txt").write_text(f"[marinrl]\n{lines}")
+        monkeypatch.syspath_prepend(str(root))
+        return root
+
+    return install
+
+
+@pytest.fixture
+def cli() -> Callable[..., object]:
+    """Invoke ``marinrl`` in-process: ``cli("plugins", "list")`` returns a click Result."""
+    from marin_rl_core.cli import app
+
+    runner = CliRunner()
+
+    def invoke(*args: str) -> object:
+        return runner.invoke(app, list(args), catch_exceptions=False)
+
+    return invoke

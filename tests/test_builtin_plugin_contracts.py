@@ -1,0 +1,23 @@
+"""Every built-in plugin passes the same contract checks a third-party author runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from marin_rl_core import build_registry
+from marin_rl_core.testing import check_plugin
+
+REGISTRY = build_registry()
+ENTRIES = REGISTRY.entries()
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.kind}:{e.name}")
+def test_builtin_plugin_honours_its_contract(entry):
+    assert entry.distribution == "marin-rl"
+    check_plugin(entry.record)
+
+
+def test_the_kinds_the_product_promises_are_built_in():
+    for kind, name in [("env", "math"), ("env", "mock"), ("loss", "rloo"), ("storage", "memory"),
+                       ("weight_transfer", "arrow_flight"), ("curriculum", "default")]:
+        assert name in REGISTRY.names(kind), f"{kind} {name!r} is missing"

@@ -1,0 +1,133 @@
+"""Run configs: resolution order, round trips, and errors that name the path."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from marin_rl_core import ExitCode, build_registry
+from marin_rl_core.config import RLJobConfig, dump_config, resolve_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path: Path, text: str, name: str = "run.toml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_show_prints_every_default_and_reads_back_unchanged(cli, tmp_path):
+    shown = cli("config", "show")
+    assert shown.exit_code == 0, shown.output
+    data = tomllib.loads(shown.output)
+    assert data["loss"]["name"] == "rloo" and "kl_coef" in data["loss"]
+    assert data["env"]["name"] == "math"
+    assert data["trainer"]["num_train_steps"] >= 1
+    assert data["curriculum"]["lessons"], "the env's default lessons are resolved"
+
+    again = cli("config", "show", "--config", write(tmp_path, shown.output))
+    assert again.exit_code == 0, again.output
+    assert again.output == shown.output
+
+
+def test_yaml_config_round_trips_too(cli, tmp_path):
+    shown = cli("config", "show", "--format", "yaml", "--set", "loss.kl_coef=0.25")
+    assert shown.exit_code == 0, shown.output
+    again = cli("config", "show", "--format", "yaml", "--config", write(tmp_path, shown.output, "run.yaml"))
+    assert again.output == shown.output
+    assert "kl_coef: 0.25" in again.output
+
+
+def test_flags_override_files_and_set_overrides_flags(tmp_path):
+    registry = build_registry()
+    path = write(tmp_path, '[env]\nname = "mock"\n[loss]\nkl_coef = 0.5\n[trainer]\nbatch_size = 64\n')
+    config = resolve_config(
+        registry,
+        files=[path],
+        selections={"env": "math"},
+        overrides=["loss.kl_coef=0.05", "trainer.learning_rate=1e-4"],
+    )
+    assert isinstance(config, RLJobConfig)
+    assert config.env.name == "math"
+    assert config.loss.config.kl_coef == 0.05
+    assert config.trainer.batch_size == 64
+    assert config.trainer.learning_rate == 1e-4
+
+
+def test_typo_in_a_plugin_section_names_the_path_and_suggests_the_key(cli, tmp_path):
+    result = cli("config", "validate", write(tmp_path, "[loss]\nkl_coeff = 0.05\n"))
+    assert result.exit_code == ExitCode.CONFIG == 3
+    assert "unknown key 'kl_coeff' (did you mean 'kl_coef'?)" in result.output
+    assert "@ $.loss" in result.output
+
+
+def test_mistyped_value_names_the_path_and_expected_type(cli, tmp_path):
+    result = cli("config", "validate", write(tmp_path, '[loss]\nkl_coef = "high"\n'))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "$.loss.kl_coef" in result.output
+    assert "expected a number" in result.output
+
+    result = cli("config", "validate", write(tmp_path, "[trainer]\nbatch_size = 1.5\n", "b.toml"))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "$.trainer.batch_size" in result.output and "expected an integer" in result.output
+
+
+def test_bad_set_override_names_its_path(cli):
+    result = cli("config", "show", "--set", "trainer.batch_sise=3")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "unknown key 'batch_sise' (did you mean 'batch_size'?)" in result.output
+    assert "@ $.trainer" in result.output
+
+
+def test_lesson_env_config_typo_is_reported_at_the_lesson(cli, tmp_path):
+    text = """
+[env]
+name = "math"
+[[curriculum.lessons]]
+id = "a"
+env_config = { levle = "add_1digit" }
+"""
+    result = cli("config", "validate", write(tmp_path, text))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "$.curriculum.lessons[0].env_config" in result.output
+    assert "unknown key 'levle'" in result.output
+
+
+def test_curriculum_dependencies_must_form_a_dag(cli, tmp_path):
+    text = """
+[[curriculum.lessons]]
+id = "a"
+dependencies = [{ lesson = "b" }]
+[[curriculum.lessons]]
+id = "b"
+dependencies = [{ lesson = "a" }]
+[[curriculum.lessons]]
+id = "c"
+dependencies = [{ lesson = "d" }]
+"""
+    result = cli("config", "validate", write(tmp_path, text))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "dependencies form a cycle: a -> b -> a" in result.output
+    assert "$.curriculum.lessons[2].dependencies[0].lesson: no lesson 'd'" in result.output
+
+
+def test_batch_size_must_hold_whole_groups(cli):
+    result = cli("config", "show", "--set", "trainer.batch_size=100", "--set", "sampling.n_generations_per_prompt=8")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "$.trainer.batch_size: 100 is not a multiple of $.sampling.n_generations_per_prompt (8)" in result.output
+
+
+def test_missing_config_file_is_a_config_error(cli, tmp_path):
+    result = cli("config", "validate", str(tmp_path / "nope.toml"))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "does not exist" in result.output
+
+
+@pytest.mark.parametrize("path", sorted(REPO.glob("examples/configs/*.toml")), ids=lambda p: p.name)
+def test_every_shipped_config_file_is_valid(path):
+    registry = build_registry()
+    config = resolve_config(registry, files=[path])
+    assert dump_config(config, registry)

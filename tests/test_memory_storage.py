@@ -1,0 +1,172 @@
+"""The ``memory`` storage with a real local Ray: order, back-pressure, exactly-once delivery."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata  # noqa: E402
+from marin_rl_core.registry import build_registry  # noqa: E402
+from marin_rl_plugins import memory_storage  # noqa: E402
+from marin_rl_plugins.memory_storage import MemoryStorageConfig  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def make_storage():
+    made = []
+
+    def make(**config):
+        registry = build_registry(autoload=False, modules=[memory_storage])
+        record = registry.get("storage", "memory")
+        storage = record.build(record.config_class(**config))
+        made.append(storage)
+        return storage
+
+    yield make
+    for storage in made:
+        storage.close()
+
+
+def make_batch(writer: str, index: int, *, group_sizes=(2, 1)) -> RolloutBatch:
+    """A batch whose rollouts say who wrote it and its position in that writer's sequence."""
+    groups = []
+    for g, size in enumerate(group_sizes):
+        groups.append(
+            RolloutGroup(
+                rollouts=[
+                    Rollout(
+                        env_name="env",
+                        lesson_id="lesson",
+                        problem_id=f"{writer}/{index}/{g}",
+                        prompt_tokens=[1, 2, 3],
+                        response_tokens=[index, k],
+                        response_logprobs=[-0.5, -0.25],
+                        reward=float(k),
+                        metadata=RolloutMetadata(worker_id=writer, timestamp=1.0, weight_step=0),
+                    )
+                    for k in range(size)
+                ]
+            )
+        )
+    return RolloutBatch(groups=groups)
+
+
+def batch_key(batch: RolloutBatch) -> tuple[str, int]:
+    writer, index, _ = batch.groups[0].rollouts[0].problem_id.split("/")
+    return writer, int(index)
+
+
+def test_batches_arrive_in_writer_order_through_a_pickled_handle(make_storage):
+    storage = make_storage(capacity=16)
+    remote_copy = pickle.loads(pickle.dumps(storage))  # what a Ray worker receives
+    writer = remote_copy.writer()
+    for i in range(10):
+        writer.write_batch(make_batch("w", i), timeout=5)
+
+    reader = storage.reader()
+    got = reader.read_batches(max_batches=4, timeout=1)
+    got += reader.read_batches(max_batches=100, timeout=1)
+    assert [batch_key(b) for b in got] == [("w", i) for i in range(10)]
+    assert [len(g.rollouts) for g in got[3].groups] == [2, 1]
+    assert got[3].groups[0].rollouts[1].response_tokens.tolist() == [3, 1]
+    assert reader.read_batches(max_batches=10, timeout=0.05) == []
+
+
+def test_writer_blocks_while_full_until_the_reader_drains(make_storage):
+    storage = make_storage(capacity=2)
+    writer, reader = storage.writer(), storage.reader()
+    writer.write_batch(make_batch("w", 0))
+    writer.write_batch(make_batch("w", 1))
+
+    done = threading.Event()
+
+    def third_write():
+        writer.write_batch(make_batch("w", 2), timeout=None)
+        done.set()
+
+    thread = threading.Thread(target=third_write, daemon=True)
+    thread.start()
+    assert not done.wait(0.5), "a write into a full queue returned without waiting"
+    assert storage.stats()["queued_batches"] == 2
+
+    first = reader.read_batches(max_batches=1)
+    assert [batch_key(b) for b in first] == [("w", 0)]
+    assert done.wait(10), "the blocked writer did not resume after the reader drained"
+    thread.join(5)
+    rest = reader.read_batches(max_batches=10, timeout=1)
+    assert [batch_key(b) for b in rest] == [("w", 1), ("w", 2)]
+
+
+def test_full_queue_times_out_with_a_helpful_error_and_stores_nothing(make_storage):
+    storage = make_storage(capacity=1)
+    writer, reader = storage.writer(), storage.reader()
+    writer.write_batch(make_batch("w", 0), timeout=0)
+    with pytest.raises(TimeoutError) as info:
+        writer.write_batch(make_batch("w", 1), timeout=0.2)
+    message = str(info.value)
+    assert storage.queue_name in message and "capacity 1 batches" in message
+    assert "0.2 s" in message and "not stored" in message and "Raise [storage] capacity" in message
+
+    assert [batch_key(b) for b in reader.read_batches(max_batches=10, timeout=1)] == [("w", 0)]
+    writer.write_batch(make_batch("w", 1), timeout=1)  # the same writer carries on afterwards
+    assert [batch_key(b) for b in reader.read_batches(max_batches=10, timeout=1)] == [("w", 1)]
+    assert storage.stats()["write_timeouts"] == 1
+
+
+def test_a_repeated_put_is_not_stored_twice(make_storage):
+    storage = make_storage(capacity=4)
+    queue = storage._queue_actor()
+    assert ray.get(queue.put.remote("writer-a", 0, b"x", 1.0)) == "accepted"
+    assert ray.get(queue.put.remote("writer-a", 0, b"x", 1.0)) == "duplicate"
+    assert ray.get(queue.put.remote("writer-a", 1, b"y", 1.0)) == "accepted"
+    assert ray.get(queue.take.remote(10, 0.0)) == [b"x", b"y"]
+
+
+@ray.remote(num_cpus=0)
+class WriterActor:
+    def write(self, storage, name: str, n: int) -> int:
+        writer = storage.writer()
+        for i in range(n):
+            writer.write_batch(make_batch(name, i, group_sizes=(1 + i % 3,)), timeout=60)
+        return n
+
+
+def test_concurrent_writers_deliver_every_batch_exactly_once(make_storage):
+    storage = make_storage(capacity=3)  # small, so writers hit back-pressure all the time
+    n_writers, n_batches = 3, 25
+    actors = [WriterActor.remote() for _ in range(n_writers)]
+    pending = [a.write.remote(storage, f"w{k}", n_batches) for k, a in enumerate(actors)]
+
+    reader = storage.reader()
+    received = []
+    deadline = time.monotonic() + 60
+    while len(received) < n_writers * n_batches and time.monotonic() < deadline:
+        received += reader.read_batches(max_batches=2, timeout=1)
+    assert ray.get(pending, timeout=30) == [n_batches] * n_writers
+    received += reader.read_batches(max_batches=100, timeout=0.2)
+
+    keys = [batch_key(b) for b in received]
+    assert len(keys) == len(set(keys)) == n_writers * n_batches
+    for k in range(n_writers):
+        assert [i for w, i in keys if w == f"w{k}"] == list(range(n_batches))
+    stats = storage.stats()
+    assert stats["accepted_batches"] == stats["taken_batches"] == n_writers * n_batches
+    for actor in actors:
+        ray.kill(actor)
+
+
+def test_config_rejects_a_zero_capacity():
+    with pytest.raises(ValueError, match="capacity must be >= 1"):
+        MemoryStorageConfig(capacity=0)

@@ -1,0 +1,150 @@
+"""Every plugin mistake a user can make stops the CLI with a documented exit code and a fix."""
+
+from __future__ import annotations
+
+from marin_rl_core import ExitCode
+
+ENV_MODULE = """
+import attrs
+from marin_rl_core import EnvPlugin, Problem, hookimpl
+
+@attrs.frozen
+class Cfg:
+    level: int = 1
+
+class TwinEnv:
+    def __init__(self, config):
+        self.config = config
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=str(i), prompt="1+1=", answer="2") for i in range(n)]
+    def score(self, problem, response):
+        return float(response == problem.answer)
+
+@hookimpl
+def marinrl_register_envs():
+    yield EnvPlugin(name="twin", summary="{summary}", config_class=Cfg, build=TwinEnv)
+"""
+
+
+def test_unknown_env_lists_registered_names_and_suggests_the_closest(cli):
+    result = cli("config", "show", "--env", "maht")
+    assert result.exit_code == ExitCode.UNKNOWN_PLUGIN == 4
+    assert "unknown env 'maht'" in result.output
+    assert "Did you mean 'math'?" in result.output
+    assert "Registered env plugins:" in result.output and "mock" in result.output
+
+
+def test_unknown_name_in_a_config_file_names_its_path(cli, tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[loss]\nname = "rlooo"\n')
+    result = cli("config", "validate", str(path))
+    assert result.exit_code == ExitCode.UNKNOWN_PLUGIN
+    assert "$.loss.name" in result.output and "Did you mean 'rloo'?" in result.output
+
+
+def test_plugin_that_fails_to_import_names_its_distribution_and_the_way_out(cli, install_dist):
+    install_dist(
+        "marinrl-broken",
+        "1.2.3",
+        entry_points={"broken": "broken_plugin_mod"},
+        modules={"broken_plugin_mod": "import module_that_does_not_exist\n"},
+    )
+    result = cli("plugins", "list")
+    assert result.exit_code == ExitCode.PLUGIN_IMPORT == 5
+    assert "plugin 'broken'" in result.output
+    assert "marinrl-broken 1.2.3" in result.output
+    assert "module_that_does_not_exist" in result.output
+    assert "--disable-plugin broken" in result.output
+
+    # ... and the advice works.
+    result = cli("plugins", "list", "--disable-plugin", "broken", "--json")
+    assert result.exit_code == 0
+    assert "broken" not in {row["plugin"] for row in __import__("json").loads(result.output)}
+
+
+def test_two_plugins_registering_one_name_list_both_providers(cli, install_dist):
+    install_dist(
+        "marinrl-twin-a",
+        "0.1.0",
+        entry_points={"twin_a": "twin_a_mod"},
+        modules={"twin_a_mod": ENV_MODULE.replace("{summary}", "A")},
+    )
+    install_dist(
+        "marinrl-twin-b",
+        "0.9.0",
+        entry_points={"twin_b": "twin_b_mod"},
+        modules={"twin_b_mod": ENV_MODULE.replace("{summary}", "B")},
+    )
+    result = cli("plugins", "list")
+    assert result.exit_code == ExitCode.DUPLICATE_PLUGIN == 6
+    assert "2 plugins register the env name 'twin'" in result.output
+    assert "plugin 'twin_a' from marinrl-twin-a 0.1.0" in result.output
+    assert "plugin 'twin_b' from marinrl-twin-b 0.9.0" in result.output
+
+    result = cli("plugins", "list", "--disable-plugin", "twin_b", "--kind", "env", "--json")
+    assert result.exit_code == 0
+    assert "marinrl-twin-a" in result.output and "marinrl-twin-b" not in result.output
+
+
+def test_hookimpl_matching_no_hookspec_is_an_error(cli, install_dist):
+    install_dist(
+        "marinrl-typo",
+        "0.0.1",
+        entry_points={"typo": "typo_plugin_mod"},
+        modules={
+            "typo_plugin_mod": """
+            from marin_rl_core import hookimpl
+
+            @hookimpl
+            def marinrl_register_env():  # missing the final s
+                return []
+            """
+        },
+    )
+    result = cli("plugins", "list")
+    assert result.exit_code == ExitCode.PLUGIN_CONTRACT == 7
+    assert "'marinrl_register_env'" in result.output
+    assert "matches no marinrl hookspec" in result.output
+    assert "Did you mean 'marinrl_register_envs'?" in result.output
+    assert "marinrl-typo 0.0.1" in result.output
+
+
+def test_extra_plugin_module_that_fails_to_import_names_the_flag(cli):
+    result = cli("plugins", "list", "--plugin", "no_such_plugin_module")
+    assert result.exit_code == ExitCode.PLUGIN_IMPORT
+    assert "'no_such_plugin_module' (given with --plugin)" in result.output
+
+
+def test_extra_plugin_module_is_loaded_and_listed(cli, install_dist):
+    install_dist("local-stuff", "0.0.0", entry_points={}, modules={"twin_local": ENV_MODULE.replace("{summary}", "local twin")})
+    result = cli("plugins", "list", "--plugin", "twin_local", "--kind", "env", "--json")
+    assert result.exit_code == 0, result.output
+    rows = {row["name"]: row for row in __import__("json").loads(result.output)}
+    assert rows["twin"]["plugin"] == "twin_local"
+    assert rows["twin"]["summary"] == "local twin"
+    assert rows["twin"]["hooks"] == ["marinrl_register_envs"]
+
+
+def test_registration_hook_yielding_the_wrong_record_type_is_an_error(cli, install_dist):
+    install_dist(
+        "marinrl-wrong",
+        "1.0",
+        entry_points={"wrong": "wrong_plugin_mod"},
+        modules={
+            "wrong_plugin_mod": """
+            import attrs
+            from marin_rl_core import LossPlugin, hookimpl
+
+            @attrs.frozen
+            class C:
+                x: int = 1
+
+            @hookimpl
+            def marinrl_register_envs():
+                yield LossPlugin(name="oops", summary="s", config_class=C, build=lambda c: c)
+            """
+        },
+    )
+    result = cli("plugins", "list")
+    assert result.exit_code == ExitCode.PLUGIN_CONTRACT
+    assert "marinrl_register_envs must yield EnvPlugin records, got LossPlugin" in result.output
