@@ -172,15 +172,7 @@ def run(
             },
             extra_overrides=overrides,
         )
-        from marin_rl_core.errors import FeatureNotAvailableError
-
-        raise FeatureNotAvailableError(
-            "the config is valid and every plugin resolved "
-            f"(env={cfg.env.name}, loss={cfg.loss.name}, storage={cfg.storage.name}, "
-            f"weight_transfer={cfg.weight_transfer.name}, curriculum={cfg.curriculum.name}), "
-            "but training is not available yet in this version of marinrl.\n"
-            "`marinrl config show` prints the resolved config."
-        )
+        _train(cfg, registry)
 
     _guarded(go)
 
@@ -297,6 +289,106 @@ def config_validate(
         registry = _registry(plugin, disable_plugin)
         _resolve(registry, config=[file], set_=None, selections={})
         typer.echo(f"{file}: valid")
+
+    _guarded(go)
+
+
+def _unwrap_worker_error(exc: BaseException) -> BaseException:
+    """A Ray task error carries the worker's own exception as ``cause``."""
+    return getattr(exc, "cause", None) or exc
+
+
+def _train(cfg: Any, registry: Any) -> None:
+    import logging
+
+    from rich.console import Console
+
+    from marin_rl_core.job import RLJob
+    from marin_rl_core.report import plot_reward_curve, render_summary, summarize
+
+    job = RLJob(cfg, registry)
+    job.run_dir.mkdir(parents=True, exist_ok=True)
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        handlers=[logging.FileHandler(job.run_dir / "driver.log")],
+    )
+    typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True)
+    try:
+        result = job.run(progress=True)
+    except Exception as exc:
+        cause = _unwrap_worker_error(exc)
+        if isinstance(cause, MarinRLError):
+            raise cause from None
+        raise
+    console = Console(stderr=True)
+    console.print(render_summary(summarize(result.run_dir)))
+    plot = plot_reward_curve(result.run_dir)
+    typer.echo(f"reward curve: {plot}", err=True)
+    if result.interrupted:
+        _err(
+            f"interrupted at step {result.final_step}; a checkpoint was saved. Resume with:\n"
+            f"  marinrl run --config {result.run_dir / 'config.toml'}"
+        )
+        raise typer.Exit(int(ExitCode.INTERRUPTED))
+
+
+@app.command("eval")
+def eval_command(
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A run directory (its latest checkpoint) or a checkpoint directory.")
+    ],
+    n_examples: Annotated[
+        int | None, typer.Option(help="Held-out problems per lesson (default: the run's eval.n_examples).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Score a saved checkpoint on every lesson of its run (no Ray, no weight transfer)."""
+
+    def go() -> None:
+        from marin_rl_core.evaluation import evaluate_checkpoint
+
+        registry = _registry(plugin, disable_plugin)
+        try:
+            results = evaluate_checkpoint(checkpoint, registry, n_examples=n_examples)
+        except FileNotFoundError as exc:
+            from marin_rl_core.errors import ConfigError
+
+            raise ConfigError(str(exc)) from None
+        if as_json:
+            typer.echo(json.dumps(results, indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table("lesson", "reward", "problems", title=f"eval of {results['checkpoint']}")
+        for lesson, row in results["lessons"].items():
+            table.add_row(lesson, f"{row['reward']:.3f}", str(row["n"]))
+        Console().print(table)
+
+    _guarded(go)
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory.")],
+) -> None:
+    """Print a run's summary table and redraw its reward curve (RUN_DIR/reward_curve.png)."""
+
+    def go() -> None:
+        from rich.console import Console
+
+        from marin_rl_core.errors import ConfigError
+        from marin_rl_core.report import plot_reward_curve, render_summary, summarize
+
+        try:
+            summary = summarize(run_dir)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
+        Console().print(render_summary(summary))
+        typer.echo(f"reward curve: {plot_reward_curve(run_dir)}")
 
     _guarded(go)
 

@@ -127,11 +127,14 @@ class LoggingConfig:
         tracker: ``"jsonl"`` (always written to the run directory), plus ``"wandb"`` or
             ``"tensorboard"`` through levanter's trackers.
         log_every: log metrics every this many steps.
+        samples_per_step: rollouts of each training batch written, decoded and with their
+            metadata, to ``samples.jsonl`` in the run directory (0: none).
     """
 
     progress: bool = True
     tracker: tuple[str, ...] = attrs.field(default=("jsonl",), converter=tuple)
     log_every: int = 1
+    samples_per_step: int = 2
 
 
 @attrs.frozen(kw_only=True)

@@ -16,6 +16,8 @@ and timestamps come back bit for bit.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pyarrow as pa
 
@@ -54,7 +56,7 @@ class RolloutDecodeError(ValueError):
     """Bytes that are not a rollout batch this version of marinrl can read."""
 
 
-def _list_array(rows: list[np.ndarray], dtype: np.dtype, arrow_type: pa.DataType) -> pa.Array:
+def _list_array(rows: list[np.ndarray], dtype: Any, arrow_type: pa.DataType) -> pa.Array:
     lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
@@ -137,7 +139,7 @@ def _check_schema(schema: pa.Schema) -> int:
     return num_groups
 
 
-def _split_lists(column: pa.ChunkedArray, dtype: np.dtype) -> list[np.ndarray]:
+def _split_lists(column: pa.ChunkedArray, dtype: Any) -> list[np.ndarray]:
     array = column.combine_chunks()
     lengths = array.value_lengths().to_numpy(zero_copy_only=False)
     values = array.flatten().to_numpy(zero_copy_only=False).astype(dtype, copy=False)

@@ -10,14 +10,21 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata  # noqa: E402
-from marin_rl_core.registry import build_registry  # noqa: E402
 from marin_rl_plugins import memory_storage  # noqa: E402
 from marin_rl_plugins.memory_storage import MemoryStorageConfig  # noqa: E402
+
+from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata  # noqa: E402
+from marin_rl_core.registry import build_registry  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
+    import sys
+
+    from ray import cloudpickle
+
+    # Ray workers cannot import this test module by name: ship its functions by value.
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()

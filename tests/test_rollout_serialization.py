@@ -95,8 +95,10 @@ def test_empty_batch_round_trips():
 
 def test_table_has_one_row_per_rollout_with_version():
     batch = RolloutBatch(
-        groups=[RolloutGroup(rollouts=[make_rollout(0), make_rollout(1)]),
-                RolloutGroup(rollouts=[make_rollout(2)])]
+        groups=[
+            RolloutGroup(rollouts=[make_rollout(0), make_rollout(1)]),
+            RolloutGroup(rollouts=[make_rollout(2)]),
+        ]
     )
     table = rollout_batch_to_table(batch)
     assert table.num_rows == 3

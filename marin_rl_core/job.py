@@ -1,0 +1,391 @@
+"""``RLJob``: one trainer and N rollout workers as Ray actors, from one :class:`RLJobConfig`.
+
+The driver (``marinrl run`` or ``RLJob(config, registry).run()``):
+
+1. validates the config and creates the run directory (``config.toml`` is written there);
+2. starts Ray (a local instance, or ``ray_address``) and the shared actors: the metrics hub and
+   the curriculum (restored from the newest checkpoint when the run directory has one);
+3. starts the trainer actor and waits until it is ready (weights built, weight server up);
+4. starts the rollout workers, pointed at the trainer's weight server and the rollout storage;
+5. shows a progress bar until the trainer reaches ``num_train_steps``, then stops the rollout
+   workers, has worker 0 evaluate the final weights, writes the summary and the reward plot,
+   and returns the trained model read back from the final checkpoint.
+
+Every worker gets the config as plain data plus the driver's :class:`RegistrySpec`; it rebuilds
+the registry and refuses to start if its plugins differ from the driver's.
+Ctrl-C stops the trainer, which writes a checkpoint; ``marinrl run --run-id SAME`` resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from marin_rl_core.config import RLJobConfig, dump_config, resolve_config, unstructure_config
+from marin_rl_core.errors import ConfigError, MarinRLError
+from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    """What one worker process needs to rebuild the driver's view of the run."""
+
+    role: str
+    """``"trainer"`` or ``"rollout"``."""
+    index: int
+    run_dir: str
+    config: dict[str, Any]
+    """The resolved run config as plain data (what ``config show`` prints)."""
+    registry: RegistrySpec
+
+    def resolve(self) -> tuple[RLJobConfig, Registry]:
+        registry = registry_from_spec(self.registry)
+        return resolve_config(registry, data=self.config), registry
+
+
+def _worker_logging(run_dir: str, name: str) -> None:
+    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
+    path = Path(run_dir) / "logs"
+    path.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path / f"{name}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    for chatty in ("levanter", "jax", "datasets", "absl"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
+class CurriculumService:
+    """The job's one curriculum policy, shared by all rollout workers (a Ray actor)."""
+
+    def __init__(self, wc: WorkerConfig, state: dict[str, Any] | None):
+        config, registry = wc.resolve()
+        record = registry.get("curriculum", config.curriculum.name)
+        self.policy = record.build(config.curriculum.config, config.curriculum.lessons)
+        if state:
+            self.policy.load_state_dict(state)
+
+    def sample_lesson(self, seed: int) -> str:
+        return self.policy.sample_lesson(seed=seed)
+
+    def update_eval(self, stats: Any) -> None:
+        self.policy.update_eval(stats)
+
+    def update_training(self, stats: Any) -> None:
+        self.policy.update_training(stats)
+
+    def lesson_states(self) -> dict[str, str]:
+        return self.policy.lesson_states()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.policy.state_dict()
+
+
+class CurriculumProxy:
+    """Gives a worker the :class:`~marin_rl_core.protocols.CurriculumPolicy` interface over the
+    :class:`CurriculumService` actor. Updates are fire-and-forget; reads wait."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def sample_lesson(self, *, seed: int) -> str:
+        import ray
+
+        return ray.get(self._actor.sample_lesson.remote(seed))
+
+    def update_eval(self, stats: Any) -> None:
+        self._actor.update_eval.remote(stats)
+
+    def update_training(self, stats: Any) -> None:
+        self._actor.update_training.remote(stats)
+
+    def lesson_states(self) -> dict[str, str]:
+        import ray
+
+        return ray.get(self._actor.lesson_states.remote())
+
+    def state_dict(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self._actor.state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("the job restores curriculum state when it creates the service")
+
+
+class TrainerService:
+    """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up."""
+
+    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any):
+        _worker_logging(wc.run_dir, "trainer")
+        from marin_rl_core.trainer import Trainer
+
+        config, registry = wc.resolve()
+        transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+            config.weight_transfer.config
+        )
+        self.server = transfer.server()
+        proxy = CurriculumProxy(curriculum)
+        self.trainer = Trainer(
+            config,
+            registry,
+            run_dir=wc.run_dir,
+            reader=storage.reader(),
+            weight_server=self.server,
+            log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+            curriculum_state=proxy.state_dict,
+        )
+
+    def ready(self) -> dict[str, Any]:
+        return {"address": self.server.address, "step": self.trainer.step}
+
+    def run(self) -> int:
+        try:
+            return self.trainer.run()
+        finally:
+            logging.getLogger(__name__).info("trainer stopped at step %d", self.trainer.step)
+
+    def stop(self) -> None:
+        self.trainer.request_stop()
+
+    def step(self) -> int:
+        return self.trainer.step
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class RolloutService:
+    """One rollout worker process (a Ray actor)."""
+
+    def __init__(self, wc: WorkerConfig, storage: Any, address: str, curriculum: Any, hub: Any):
+        _worker_logging(wc.run_dir, f"rollout-{wc.index}")
+        from marin_rl_core.rollout_worker import RolloutWorker
+
+        config, registry = wc.resolve()
+        transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+            config.weight_transfer.config
+        )
+        self.worker = RolloutWorker(
+            config,
+            registry,
+            worker_index=wc.index,
+            writer=storage.writer(),
+            weight_client=transfer.client(address),
+            curriculum=CurriculumProxy(curriculum),
+            log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+        )
+
+    def run(self) -> dict[str, int]:
+        return self.worker.run()
+
+    def stop(self) -> None:
+        self.worker.request_stop()
+
+    def final_eval(self, step: int) -> dict[str, float]:
+        return self.worker.final_eval(step)
+
+    def counters(self) -> dict[str, int]:
+        return self.worker.counters()
+
+
+@attrs.frozen(kw_only=True)
+class JobResult:
+    """What :meth:`RLJob.run` returns."""
+
+    run_dir: Path
+    final_step: int
+    interrupted: bool
+    final_eval: dict[str, Any]
+    rollout_counters: list[dict[str, int]]
+
+    def load_model(self) -> Any:
+        """The trained policy, read from the run's final checkpoint."""
+        from marin_rl_core.checkpoint import latest_checkpoint, load_model
+        from marin_rl_core.tokenizer import load_tokenizer
+        from marin_rl_core.trainer import initial_model
+
+        config = _saved_config(self.run_dir)
+        template = initial_model(config[0], load_tokenizer(config[0].model.tokenizer))
+        checkpoint = latest_checkpoint(self.run_dir)
+        assert checkpoint is not None
+        return load_model(checkpoint, template)
+
+
+def _saved_config(run_dir: Path) -> tuple[RLJobConfig, Registry]:
+    from marin_rl_core.registry import build_registry
+
+    registry = build_registry()
+    return resolve_config(registry, files=[run_dir / "config.toml"]), registry
+
+
+class RLJob:
+    """A configured RL training job. ``run()`` trains; ``to_worker_configs()`` shows what each
+    worker would get.
+
+    Args:
+        config: a resolved config (from :func:`~marin_rl_core.config.resolve_config`).
+        registry: the registry the config was resolved with (workers rebuild it from its spec).
+    """
+
+    def __init__(self, config: RLJobConfig, registry: Registry):
+        self.config = config
+        self.registry = registry
+        self.run_id = config.run_id or time.strftime("rl-%Y%m%d-%H%M%S")
+        self.run_dir = Path(config.run_dir) / self.run_id
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks beyond the config's own: sequence lengths fit the model, lessons exist."""
+        errors = []
+        max_seq = self.config.model.max_seq_len
+        for i, lesson in enumerate(self.config.curriculum.lessons):
+            sampling = self.config.sampling_for(lesson)
+            if sampling.max_tokens >= max_seq:
+                where = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
+                errors.append(
+                    f"{where}.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in "
+                    f"$.model.max_seq_len ({max_seq})"
+                )
+        if self.config.eval.sampling.max_tokens >= max_seq:
+            errors.append(f"$.eval.sampling.max_tokens must be < $.model.max_seq_len ({max_seq})")
+        if not self.config.curriculum.lessons:
+            errors.append("$.curriculum.lessons: a job needs at least one lesson")
+        if errors:
+            raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in errors))
+
+    def to_worker_configs(self) -> tuple[WorkerConfig, list[WorkerConfig]]:
+        """``(trainer, [rollout worker, ...])`` configs, exactly as the actors receive them."""
+        data = unstructure_config(attrs.evolve(self.config, run_id=self.run_id), self.registry)
+        spec = self.registry.spec
+
+        def make(role: str, index: int) -> WorkerConfig:
+            return WorkerConfig(role=role, index=index, run_dir=str(self.run_dir), config=data, registry=spec)
+
+        return make("trainer", 0), [make("rollout", i) for i in range(self.config.num_rollout_workers)]
+
+    def _start_ray(self) -> bool:
+        import ray
+
+        if ray.is_initialized():
+            return False
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        if self.config.ray_address:
+            ray.init(address=self.config.ray_address, log_to_driver=False)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count() or 2)
+        return True
+
+    def run(self, *, progress: bool = True) -> JobResult:
+        """Train to ``num_train_steps`` (or Ctrl-C); see the module docstring."""
+        import ray
+
+        from marin_rl_core.checkpoint import latest_checkpoint
+        from marin_rl_core.metrics import MetricsHub
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        config = attrs.evolve(self.config, run_id=self.run_id)
+        (self.run_dir / "config.toml").write_text(dump_config(config, self.registry))
+        trainer_wc, rollout_wcs = self.to_worker_configs()
+        resume_state: dict[str, Any] = {}
+        checkpoint = latest_checkpoint(self.run_dir)
+        if checkpoint is not None:
+            import json
+
+            resume_state = json.loads((checkpoint / "state.json").read_text())
+        started_ray = self._start_ray()
+        actors: list[Any] = []
+        storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
+        interrupted = False
+        try:
+            hub = ray.remote(MetricsHub).options(num_cpus=0).remote(
+                str(self.run_dir), config.logging.tracker, self.run_id
+            )
+            curriculum = ray.remote(CurriculumService).options(num_cpus=0).remote(
+                trainer_wc, resume_state.get("curriculum")
+            )
+            trainer = ray.remote(TrainerService).options(num_cpus=0, max_concurrency=4).remote(
+                trainer_wc, storage, curriculum, hub
+            )
+            actors += [hub, curriculum, trainer]
+            info = ray.get(trainer.ready.remote())
+            start_step = int(info["step"])
+            rollouts = [
+                ray.remote(RolloutService).options(num_cpus=0, max_concurrency=4).remote(
+                    wc, storage, info["address"], curriculum, hub
+                )
+                for wc in rollout_wcs
+            ]
+            actors += rollouts
+            rollout_runs = [w.run.remote() for w in rollouts]
+            train_run = trainer.run.remote()
+            try:
+                final_step = self._watch(train_run, rollout_runs, hub, start_step, progress)
+            except KeyboardInterrupt:
+                interrupted = True
+                logger.warning("interrupted: stopping the trainer, which writes a checkpoint")
+                ray.get(trainer.stop.remote())
+                final_step = ray.get(train_run)
+            for w in rollouts:
+                w.stop.remote()
+            counters = ray.get(rollout_runs)
+            final_eval = {} if interrupted else ray.get(rollouts[0].final_eval.remote(final_step))
+            ray.get(trainer.close.remote())
+            ray.get(hub.close.remote())
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+            close = getattr(storage, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # the queue actor may already be gone with Ray
+                    pass
+            if started_ray:
+                ray.shutdown()
+        return JobResult(
+            run_dir=self.run_dir,
+            final_step=final_step,
+            interrupted=interrupted,
+            final_eval=final_eval,
+            rollout_counters=counters,
+        )
+
+    def _watch(self, train_run: Any, rollout_runs: list[Any], hub: Any, start: int, progress: bool) -> int:
+        """Wait for the trainer, failing fast if any worker dies; drive the progress bar."""
+        import ray
+        from tqdm import tqdm
+
+        total = self.config.trainer.num_train_steps
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        try:
+            while True:
+                done, _ = ray.wait([train_run, *rollout_runs], num_returns=1, timeout=1.0)
+                latest = ray.get(hub.latest.remote())
+                step = int(latest.get("train_step", start))
+                bar.update(max(0, step - bar.n))
+                postfix = {}
+                if "reward" in latest:
+                    postfix["reward"] = f"{latest['reward']:.3f}"
+                evals = {k.split("/")[1]: v for k, v in latest.items() if k.startswith("eval/") and k.endswith("/reward")}
+                if evals:
+                    postfix["eval"] = " ".join(f"{k}={v:.2f}" for k, v in evals.items())
+                bar.set_postfix(postfix, refresh=False)
+                if not done:
+                    continue
+                if done[0] is train_run:
+                    final = int(ray.get(train_run))
+                    bar.update(max(0, final - bar.n))
+                    return final
+                ray.get(done[0])  # a rollout worker ended early: re-raise its error
+                raise MarinRLError("a rollout worker stopped before training finished; see RUN_DIR/logs")
+        finally:
+            bar.close()

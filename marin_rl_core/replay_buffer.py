@@ -1,0 +1,368 @@
+"""The trainer's replay buffer: rollouts waiting to be trained on, with their advantages.
+
+Rollouts arrive in batches from rollout storage. At ingestion the buffer computes each group's
+advantages with the loss module (over the whole group, before any rollout of it is dropped), then
+keeps each rollout unless it is stale:
+
+* by weight step: ``metadata.weight_step < current_step - max_rollout_step_delay``;
+* by age: ``clock() - metadata.timestamp > max_rollout_timestamp_delay`` seconds.
+
+The same rules prune the held rollouts whenever the trainer's step advances
+(:meth:`ReplayBuffer.set_current_step`), and the age rule again before each sample. A negative
+delay turns its rule off. Beyond ``capacity`` the oldest rollouts are evicted.
+
+:meth:`ReplayBuffer.sample` draws whole groups where it can, newer groups more often (group
+weight ``(1 + rank_from_oldest) ** recency_alpha``), and returns exactly ``n`` rollouts or
+``None``. A rollout leaves the buffer once ``max_samples_per_rollout`` batches have used it.
+
+Thread-safe: the trainer may ingest on one thread and sample on another.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import attrs
+import numpy as np
+
+from marin_rl_core.config import ReplayBufferConfig
+from marin_rl_core.protocols import RLLossModule
+from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup
+
+
+@attrs.define
+class _Entry:
+    rollout: Rollout
+    advantage: float
+    group: int
+    uses: int = 0
+
+    @property
+    def env(self) -> str:
+        return self.rollout.env_name
+
+
+@attrs.define
+class _EnvCounters:
+    """What happened to one env's rollouts since the last ``metrics(reset=True)``."""
+
+    new_rollouts: int = 0
+    new_tokens: int = 0
+    new_generated_tokens: int = 0
+    new_truncated: int = 0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    groups: int = 0
+    zero_variance_groups: int = 0
+    dropped_stale_step: int = 0
+    dropped_stale_time: int = 0
+    evicted: int = 0
+    sampled_rollouts: int = 0
+
+
+class ReplayBuffer:
+    """Holds rollouts and their advantages for the trainer; see the module docstring.
+
+    Args:
+        config: capacity, staleness limits, recency weighting and reuse limit.
+        loss: the RL loss module; its ``compute_advantages(group)`` runs at ingestion.
+        seed: seeds the sampling.
+        clock: returns the current time in seconds, comparable with
+            ``RolloutMetadata.timestamp`` (tests inject a fake clock).
+    """
+
+    def __init__(
+        self,
+        config: ReplayBufferConfig,
+        loss: RLLossModule,
+        *,
+        seed: int,
+        clock: Callable[[], float] = time.time,
+    ):
+        if config.capacity < 1:
+            raise ValueError(f"replay_buffer.capacity must be >= 1, got {config.capacity}")
+        if config.recency_alpha < 0:
+            raise ValueError(
+                f"replay_buffer.recency_alpha must be >= 0, got {config.recency_alpha}"
+            )
+        if config.max_samples_per_rollout < 1:
+            raise ValueError(
+                "replay_buffer.max_samples_per_rollout must be >= 1, got "
+                f"{config.max_samples_per_rollout}"
+            )
+        self.config = config
+        self._loss = loss
+        self._clock = clock
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.RLock()
+        self._entries: list[_Entry] = []  # oldest first
+        self._group_ids = itertools.count()
+        self._current_step = 0
+        self._window: dict[str, _EnvCounters] = defaultdict(_EnvCounters)
+        self._accepted_total: dict[str, int] = defaultdict(int)
+        self._used_total: dict[str, int] = defaultdict(int)
+
+    # --- state ---------------------------------------------------------------------------------
+
+    @property
+    def current_step(self) -> int:
+        return self._current_step
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def set_current_step(self, step: int) -> None:
+        """Record the trainer's step and drop the rollouts that became stale."""
+        with self._lock:
+            self._current_step = int(step)
+            self._prune(self._clock())
+
+    def _stale_reason(self, rollout: Rollout, now: float) -> str | None:
+        meta = rollout.metadata
+        assert meta is not None
+        step_delay = self.config.max_rollout_step_delay
+        if step_delay >= 0 and meta.weight_step < self._current_step - step_delay:
+            return "dropped_stale_step"
+        time_delay = self.config.max_rollout_timestamp_delay
+        if time_delay >= 0 and now - meta.timestamp > time_delay:
+            return "dropped_stale_time"
+        return None
+
+    def _prune(self, now: float) -> None:
+        kept = []
+        for entry in self._entries:
+            reason = self._stale_reason(entry.rollout, now)
+            if reason is None:
+                kept.append(entry)
+            else:
+                counters = self._window[entry.env]
+                setattr(counters, reason, getattr(counters, reason) + 1)
+        self._entries = kept
+
+    # --- ingestion -----------------------------------------------------------------------------
+
+    def add_batches(self, batches: Iterable[RolloutBatch], *, current_step: int) -> None:
+        """Compute advantages for every group of ``batches`` and keep the fresh rollouts.
+
+        ``current_step`` is the trainer's step now (as with :meth:`set_current_step`, held
+        rollouts that became stale are dropped too). Empty batches and groups are skipped.
+
+        Raises:
+            ValueError: a rollout has no metadata (nothing is added then), or the loss module
+                returned the wrong number of advantages for a group.
+        """
+        batches = list(batches)
+        for b, batch in enumerate(batches):
+            for g, group in enumerate(batch.groups):
+                for r, rollout in enumerate(group.rollouts):
+                    if rollout.metadata is None:
+                        raise ValueError(
+                            f"rollout {r} of group {g} of batch {b} (env {rollout.env_name!r}, "
+                            f"problem {rollout.problem_id!r}) has no metadata, so its staleness "
+                            "cannot be checked. The rollout worker must attach RolloutMetadata "
+                            "(rollout.with_metadata(...)) before writing rollouts to storage."
+                        )
+        with self._lock:
+            self._current_step = int(current_step)
+            now = self._clock()
+            self._prune(now)
+            for batch in batches:
+                for group in batch.groups:
+                    if group.rollouts:
+                        self._add_group(group, now)
+            self._evict_over_capacity()
+
+    def _add_group(self, group: RolloutGroup, now: float) -> None:
+        rollouts = group.rollouts
+        advantages = np.asarray(self._loss.compute_advantages(group), dtype=np.float32).reshape(-1)
+        if advantages.shape[0] != len(rollouts):
+            raise ValueError(
+                f"{type(self._loss).__name__}.compute_advantages returned {advantages.shape[0]} "
+                f"advantages for a group of {len(rollouts)} rollouts; it must return one each"
+            )
+        group_id = next(self._group_ids)
+        rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
+        counters = self._window[rollouts[0].env_name]
+        counters.groups += 1
+        counters.zero_variance_groups += bool(np.all(rewards == rewards[0]))
+        for rollout, advantage in zip(rollouts, advantages, strict=True):
+            counters = self._window[rollout.env_name]
+            reason = self._stale_reason(rollout, now)
+            if reason is not None:
+                setattr(counters, reason, getattr(counters, reason) + 1)
+                continue
+            self._entries.append(
+                _Entry(rollout=rollout, advantage=float(advantage), group=group_id)
+            )
+            counters.new_rollouts += 1
+            counters.new_tokens += rollout.num_tokens
+            counters.new_generated_tokens += int(rollout.response_tokens.shape[0])
+            counters.new_truncated += bool(rollout.truncated)
+            counters.reward_sum += rollout.reward
+            counters.reward_sq_sum += rollout.reward**2
+            self._accepted_total[rollout.env_name] += 1
+
+    def _evict_over_capacity(self) -> None:
+        excess = len(self._entries) - self.config.capacity
+        if excess > 0:
+            for entry in self._entries[:excess]:
+                self._window[entry.env].evicted += 1
+            self._entries = self._entries[excess:]
+
+    # --- sampling ------------------------------------------------------------------------------
+
+    def sample(self, n: int) -> tuple[list[Rollout], np.ndarray] | None:
+        """Draw exactly ``n`` distinct rollouts and their float32 advantages ``[n]``.
+
+        Groups are drawn without replacement, newer groups more likely; a drawn group is taken
+        whole while it fits, and the last places are filled from groups that did not fit. The
+        rollouts of one group are adjacent in the result. Each returned rollout counts one use.
+
+        Returns:
+            ``None`` (and changes nothing) when fewer than ``n`` rollouts are held: the trainer
+            should read more rollouts and try again. Never a smaller batch.
+        """
+        if n < 1:
+            raise ValueError(f"sample size must be >= 1, got {n}")
+        with self._lock:
+            self._prune(self._clock())
+            if len(self._entries) < n:
+                return None
+            groups: dict[int, list[int]] = {}
+            for i, entry in enumerate(self._entries):  # oldest group first
+                groups.setdefault(entry.group, []).append(i)
+            members = list(groups.values())
+            order = self._recency_order(len(members))
+
+            chosen: list[int] = []
+            skipped: list[list[int]] = []
+            for k in order:
+                if len(chosen) == n:
+                    break
+                if len(members[k]) <= n - len(chosen):
+                    chosen.extend(members[k])
+                else:
+                    skipped.append(members[k])
+            for group in skipped:
+                if len(chosen) == n:
+                    break
+                picked = self._rng.permutation(group)[: n - len(chosen)]
+                chosen.extend(int(i) for i in sorted(picked))
+
+            rollouts = [self._entries[i].rollout for i in chosen]
+            advantages = np.asarray([self._entries[i].advantage for i in chosen], np.float32)
+            for i in chosen:
+                entry = self._entries[i]
+                entry.uses += 1
+                self._window[entry.env].sampled_rollouts += 1
+                if entry.uses == 1:
+                    self._used_total[entry.env] += 1
+            limit = self.config.max_samples_per_rollout
+            self._entries = [e for e in self._entries if e.uses < limit]
+            return rollouts, advantages
+
+    def _recency_order(self, num_groups: int) -> np.ndarray:
+        """Group indices (0 = oldest) in a random order where group ``k`` comes early with
+        weight ``(1 + k) ** alpha``: Gumbel-top-k, i.e. weighted sampling without replacement."""
+        log_weights = self.config.recency_alpha * np.log1p(np.arange(num_groups))
+        keys = log_weights + self._rng.gumbel(size=num_groups)
+        return np.argsort(-keys, kind="stable")
+
+    # --- metrics -------------------------------------------------------------------------------
+
+    def metrics(self, *, reset: bool = True) -> dict[str, float]:
+        """The buffer's metrics, overall (``NAME``) and per env (``ENV/NAME``).
+
+        State now: ``rollouts_in_buffer``, ``tokens_in_buffer`` (prompt + response),
+        ``frac_on_policy`` (held rollouts whose ``weight_step >= current_step``).
+
+        Since the last ``metrics(reset=True)``: ``new_rollouts``, ``new_tokens``,
+        ``new_generated_tokens``, ``reward/mean``, ``reward/std`` and ``frac_truncated`` of the
+        rollouts accepted; ``dropped_stale_step``, ``dropped_stale_time``, ``evicted``;
+        ``sampled_rollouts`` (uses in batches); ``frac_zero_variance_groups`` (groups received
+        whose rewards are all equal, so they carry no learning signal).
+
+        Since the buffer was made: ``frac_used``, the fraction of accepted rollouts that at
+        least one batch used.
+
+        A ratio with nothing to divide by (say ``reward/mean`` with no new rollouts) is left
+        out rather than reported as 0.
+        """
+        with self._lock:
+            held: dict[str, list[_Entry]] = defaultdict(list)
+            for entry in self._entries:
+                held[entry.env].append(entry)
+            envs = sorted(set(held) | set(self._window) | set(self._accepted_total))
+            out: dict[str, float] = {}
+            for env in envs:
+                out.update(
+                    self._env_metrics(
+                        f"{env}/",
+                        held[env],
+                        [self._window[env]],
+                        self._accepted_total[env],
+                        self._used_total[env],
+                    )
+                )
+            out.update(
+                self._env_metrics(
+                    "",
+                    self._entries,
+                    [self._window[env] for env in envs],
+                    sum(self._accepted_total.values()),
+                    sum(self._used_total.values()),
+                )
+            )
+            if reset:
+                self._window.clear()
+            return out
+
+    def _env_metrics(
+        self,
+        prefix: str,
+        entries: list[_Entry],
+        windows: list[_EnvCounters],
+        accepted_total: int,
+        used_total: int,
+    ) -> dict[str, float]:
+        def total(name: str) -> float:
+            return float(sum(getattr(w, name) for w in windows))
+
+        out = {
+            "rollouts_in_buffer": float(len(entries)),
+            "tokens_in_buffer": float(sum(e.rollout.num_tokens for e in entries)),
+        }
+        if entries:
+            on_policy = sum(_weight_step(e) >= self._current_step for e in entries)
+            out["frac_on_policy"] = on_policy / len(entries)
+        for name in (
+            "new_rollouts",
+            "new_tokens",
+            "new_generated_tokens",
+            "dropped_stale_step",
+            "dropped_stale_time",
+            "evicted",
+            "sampled_rollouts",
+        ):
+            out[name] = total(name)
+        new = total("new_rollouts")
+        if new:
+            mean = total("reward_sum") / new
+            out["reward/mean"] = mean
+            out["reward/std"] = math.sqrt(max(0.0, total("reward_sq_sum") / new - mean**2))
+            out["frac_truncated"] = total("new_truncated") / new
+        if total("groups"):
+            out["frac_zero_variance_groups"] = total("zero_variance_groups") / total("groups")
+        if accepted_total:
+            out["frac_used"] = used_total / accepted_total
+        return {prefix + name: value for name, value in out.items()}
+
+
+def _weight_step(entry: _Entry) -> int:
+    assert entry.rollout.metadata is not None  # add_batches refuses rollouts without it
+    return entry.rollout.metadata.weight_step

@@ -1,0 +1,296 @@
+"""The rollout side's computing half: inference, envs, rollout generation and evaluation.
+
+:class:`RolloutManager` owns the sampling engine and the current policy weights, builds and caches
+one env per lesson, turns problems into scored :class:`~marin_rl_core.types.Rollout` s, evaluates
+lessons and reports stats to the curriculum. Its methods take ``weight_step`` and ``worker_id``
+as arguments rather than keeping them as state, so it works on its own: ``marinrl eval`` uses it
+to score a checkpoint with no weight transfer, storage or Ray.
+
+An env that raises on one problem (while posing or scoring it) loses that problem's group, not
+the batch and not the worker: the error is logged once per lesson and counted in
+``env_errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from marin_rl_core.config import RLJobConfig, lesson_env_config
+from marin_rl_core.protocols import CurriculumPolicy, Env
+from marin_rl_core.registry import Registry
+from marin_rl_core.types import (
+    LessonConfig,
+    LessonStats,
+    Problem,
+    Rollout,
+    RolloutBatch,
+    RolloutGroup,
+    RolloutMetadata,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def batch_stats(lesson_id: str, batch: RolloutBatch | None, step: int) -> LessonStats:
+    """Mean reward of a batch, as the curriculum wants it."""
+    rollouts = batch.rollouts if batch is not None else []
+    rewards = [r.reward for r in rollouts]
+    return LessonStats(
+        lesson_id=lesson_id,
+        mean_reward=float(np.mean(rewards)) if rewards else 0.0,
+        n_rollouts=len(rewards),
+        step=step,
+    )
+
+
+class RolloutManager:
+    """Inference + envs + curriculum bookkeeping for one process.
+
+    Args:
+        config: the run config (lessons, sampling defaults, eval sampling, model sequence length).
+        registry: the loaded plugins, to build each lesson's env.
+        model: the initial policy (a levanter LM).
+        tokenizer: turns prompts into tokens and responses back into text.
+        curriculum: receives eval and training stats; ``None`` for pure evaluation.
+    """
+
+    def __init__(
+        self,
+        config: RLJobConfig,
+        registry: Registry,
+        *,
+        model: Any,
+        tokenizer: Any,
+        curriculum: CurriculumPolicy | None = None,
+    ):
+        from marin_rl_core.inference import SamplingEngine
+
+        self.config = config
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.curriculum = curriculum
+        self.lessons: dict[str, LessonConfig] = {l.id: l for l in config.curriculum.lessons}
+        self._envs: dict[str, Env] = {}
+        self._errors_logged: set[str] = set()
+        biggest = max(
+            [config.sampling_for(l).n_prompts * config.sampling_for(l).n_generations_per_prompt for l in self.lessons.values()]
+            + [config.eval.n_examples * config.eval.sampling.n_generations_per_prompt]
+        )
+        stops = {len(self._stop_tokens(config.sampling_for(l))) for l in self.lessons.values()}
+        self._engine = SamplingEngine(
+            model,
+            max_seq_len=config.model.max_seq_len,
+            eos_id=tokenizer.eos_id,
+            max_seqs=min(biggest, 512),
+            max_stop_tokens=max(stops | {len(self._stop_tokens(config.eval.sampling))}),
+        )
+
+    # --- model --------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        return self._engine.model
+
+    def update_model(self, model: Any) -> None:
+        """Sample from ``model`` (new weights, same architecture) from now on."""
+        self._engine.update_model(model)
+
+    def shutdown(self) -> None:
+        self._envs.clear()
+
+    # --- envs ---------------------------------------------------------------------------------
+
+    def env(self, lesson_id: str) -> Env:
+        """The lesson's env, built on first use and cached."""
+        if lesson_id not in self._envs:
+            lesson = self.lessons[lesson_id]
+            name, env_config = lesson_env_config(self.config, lesson, self.registry)
+            self._envs[lesson_id] = self.registry.get("env", name).build(env_config)
+        return self._envs[lesson_id]
+
+    def _stop_tokens(self, sampling: SamplingParams) -> list[int]:
+        return list(dict.fromkeys([self.tokenizer.eos_id, *sampling.stop_tokens]))
+
+    def _env_error(self, lesson_id: str, what: str, exc: Exception) -> None:
+        if lesson_id not in self._errors_logged:
+            self._errors_logged.add(lesson_id)
+            logger.warning(
+                "lesson %s: the env raised while %s (%s: %s); that problem is dropped "
+                "(further errors of this lesson are only counted in env_errors)",
+                lesson_id, what, type(exc).__name__, exc,
+            )
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def sample_batch(
+        self,
+        lesson_id: str,
+        *,
+        n_examples: int,
+        n_generations: int,
+        mode: str,
+        seed: int,
+        weight_step: int,
+        worker_id: str,
+        sampling: SamplingParams | None = None,
+    ) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """Pose ``n_examples`` problems, sample ``n_generations`` responses each, score them.
+
+        Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
+        attached to every rollout, and metrics: ``reward``, ``env_errors``, ``frac_truncated``,
+        ``tokens``, ``generated_tokens``, ``seconds``, ``tokens_per_second``.
+        """
+        lesson = self.lessons[lesson_id]
+        if sampling is None:
+            sampling = self.config.eval.sampling if mode == "eval" else self.config.sampling_for(lesson)
+        env = self.env(lesson_id)
+        env_name = lesson.env or self.config.env.name
+        env_errors = 0
+        try:
+            problems = env.sample_problems(n_examples, mode=mode, seed=seed)  # type: ignore[arg-type]
+        except Exception as exc:
+            self._env_error(lesson_id, "posing problems", exc)
+            return None, {"env_errors": float(n_examples)}
+        prompts: list[list[int]] = []
+        kept: list[Problem] = []
+        limit = self.config.model.max_seq_len - 1
+        for problem in problems:
+            try:
+                tokens = self.tokenizer.encode(problem.prompt, add_bos=True)
+            except Exception as exc:
+                self._env_error(lesson_id, f"tokenizing problem {problem.id}", exc)
+                env_errors += 1
+                continue
+            if not 0 < len(tokens) <= limit:
+                self._env_error(
+                    lesson_id, f"posing problem {problem.id}",
+                    ValueError(f"prompt has {len(tokens)} tokens; model.max_seq_len allows {limit}"),
+                )
+                env_errors += 1
+                continue
+            prompts.append(tokens)
+            kept.append(problem)
+        start = time.perf_counter()
+        samples = (
+            self._engine.generate(
+                prompts,
+                n=n_generations,
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                stop_tokens=sampling.stop_tokens,
+                seed=seed,
+            )
+            if prompts
+            else []
+        )
+        seconds = time.perf_counter() - start
+        stop_set = set(self._stop_tokens(sampling))
+        metadata = RolloutMetadata(worker_id=worker_id, timestamp=time.time(), weight_step=weight_step)
+        groups: list[RolloutGroup] = []
+        generated = 0
+        for problem, prompt, problem_samples in zip(kept, prompts, samples):
+            rollouts = []
+            try:
+                for sample in problem_samples:
+                    text_tokens = [int(t) for t in sample.tokens if int(t) not in stop_set]
+                    reward = float(env.score(problem, self.tokenizer.decode(text_tokens)))
+                    generated += int(sample.tokens.size)
+                    rollouts.append(
+                        Rollout(
+                            env_name=env_name,
+                            lesson_id=lesson_id,
+                            problem_id=problem.id,
+                            prompt_tokens=prompt,
+                            response_tokens=sample.tokens,
+                            response_logprobs=sample.logprobs,
+                            reward=reward,
+                            truncated=not sample.stopped,
+                            metadata=metadata,
+                        )
+                    )
+            except Exception as exc:
+                self._env_error(lesson_id, f"scoring problem {problem.id}", exc)
+                env_errors += 1
+                continue
+            groups.append(RolloutGroup(rollouts=rollouts))
+        batch = RolloutBatch(groups=groups) if groups else None
+        rollouts_all = batch.rollouts if batch else []
+        metrics = {
+            "env_errors": float(env_errors),
+            "reward": float(np.mean([r.reward for r in rollouts_all])) if rollouts_all else 0.0,
+            "frac_truncated": float(np.mean([r.truncated for r in rollouts_all])) if rollouts_all else 0.0,
+            "tokens": float(sum(r.num_tokens for r in rollouts_all)),
+            "generated_tokens": float(generated),
+            "seconds": seconds,
+            "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
+        }
+        return batch, metrics
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def evaluate_lesson(
+        self,
+        lesson_id: str,
+        *,
+        n_examples: int,
+        eval_type: str,
+        seed: int,
+        step: int,
+        weight_step: int,
+        worker_id: str,
+    ) -> tuple[LessonStats, RolloutBatch | None]:
+        """Score held-out problems of one lesson with the eval sampling params.
+
+        ``eval_type="eval"`` reports the result to the curriculum (it can unlock or graduate
+        lessons); ``"micro_eval"`` only returns it.
+        """
+        sampling = self.config.eval.sampling
+        batch, _ = self.sample_batch(
+            lesson_id,
+            n_examples=n_examples,
+            n_generations=sampling.n_generations_per_prompt,
+            mode="eval",
+            seed=seed,
+            weight_step=weight_step,
+            worker_id=worker_id,
+            sampling=sampling,
+        )
+        stats = batch_stats(lesson_id, batch, step)
+        if eval_type == "eval" and self.curriculum is not None:
+            self.curriculum.update_eval(stats)
+        return stats, batch
+
+    def evaluate_curriculum(
+        self,
+        *,
+        n_examples: int,
+        seed: int,
+        step: int,
+        weight_step: int,
+        worker_id: str,
+        lesson_ids: Sequence[str] | None = None,
+    ) -> dict[str, tuple[LessonStats, RolloutBatch | None]]:
+        """Evaluate every lesson (or ``lesson_ids``); each result also goes to the curriculum."""
+        return {
+            lesson_id: self.evaluate_lesson(
+                lesson_id,
+                n_examples=n_examples,
+                eval_type="eval",
+                seed=seed,
+                step=step,
+                weight_step=weight_step,
+                worker_id=worker_id,
+            )
+            for lesson_id in (lesson_ids or list(self.lessons))
+        }
+
+    def update_training_stats(self, lesson_id: str, batch: RolloutBatch | None, step: int) -> None:
+        """Report a training batch's rewards to the curriculum."""
+        if self.curriculum is not None and batch is not None:
+            self.curriculum.update_training(batch_stats(lesson_id, batch, step))

@@ -1,0 +1,247 @@
+"""The ``memory`` rollout storage: a bounded queue held by one Ray actor of the job.
+
+Rollout workers put Arrow IPC bytes (:mod:`marin_rl_core.rollout_serialization`) into the queue
+actor; the trainer takes them out. The queue holds at most ``capacity`` batches: a writer waits
+while it is full (back-pressure), up to its timeout, then gets ``TimeoutError`` and the batch is
+*not* stored. A batch is accepted exactly once: each writer numbers its batches and the queue
+ignores a number it has already accepted, so a retried call cannot duplicate a batch, and a
+taken batch is removed in the same actor call that returns it.
+
+Nothing outlives the Ray cluster: the queue is in memory only. The storage object is a small
+picklable handle (queue name and namespace); the queue actor is created, or looked up, on first
+use by whichever process gets there first. It is detached so that it survives the process that
+happened to create it; :meth:`MemoryRolloutStorage.close` removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import uuid
+from typing import Any
+
+import attrs
+
+from marin_rl_core import RolloutBatch, StoragePlugin, hookimpl
+
+
+@attrs.frozen(kw_only=True)
+class MemoryStorageConfig:
+    """Config of the ``memory`` rollout storage.
+
+    Args:
+        capacity: the most batches the queue holds before writers wait. Small keeps rollout
+            workers from racing ahead of the trainer with soon-stale weights.
+        queue_name: the Ray actor name of the queue; empty picks a fresh unique name at build,
+            so two jobs on one cluster never share a queue.
+        namespace: the Ray namespace the queue actor is registered in.
+    """
+
+    capacity: int = 4
+    queue_name: str = ""
+    namespace: str = "marinrl"
+
+    def __attrs_post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"memory storage capacity must be >= 1 batch, got {self.capacity}")
+
+
+class RolloutQueue:
+    """The queue actor's body: a bounded FIFO of serialized batches (a Ray async actor)."""
+
+    def __init__(self, capacity: int):
+        self._capacity = capacity
+        self._items: collections.deque[bytes] = collections.deque()
+        self._changed = asyncio.Condition()
+        self._next_seq: dict[str, int] = {}
+        self._accepted = 0
+        self._taken = 0
+        self._timeouts = 0
+
+    async def _wait(self, predicate: Any, timeout: float | None) -> bool:
+        """Wait (holding the condition's lock) until ``predicate()``; False on timeout."""
+        if predicate():
+            return True
+        if timeout is not None and timeout <= 0:
+            return False
+        try:
+            await asyncio.wait_for(self._changed.wait_for(predicate), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def put(self, writer_id: str, seq: int, data: bytes, timeout: float | None) -> str:
+        """Append ``data`` unless ``seq`` from ``writer_id`` was already accepted.
+
+        Returns ``"accepted"``, ``"duplicate"`` (accepted earlier; nothing done) or
+        ``"timeout"`` (the queue stayed full; nothing stored).
+        """
+        async with self._changed:
+            if seq < self._next_seq.get(writer_id, 0):
+                return "duplicate"
+            if not await self._wait(lambda: len(self._items) < self._capacity, timeout):
+                self._timeouts += 1
+                return "timeout"
+            if seq < self._next_seq.get(writer_id, 0):  # a concurrent retry got in first
+                return "duplicate"
+            self._items.append(data)
+            self._next_seq[writer_id] = seq + 1
+            self._accepted += 1
+            self._changed.notify_all()
+            return "accepted"
+
+    async def take(self, max_batches: int, timeout: float) -> list[bytes]:
+        """Remove and return up to ``max_batches`` items, waiting up to ``timeout`` s for one."""
+        async with self._changed:
+            if not await self._wait(lambda: bool(self._items), timeout):
+                return []
+            out = [self._items.popleft() for _ in range(min(max_batches, len(self._items)))]
+            self._taken += len(out)
+            if out:
+                self._changed.notify_all()
+            return out
+
+    async def stats(self) -> dict[str, int]:
+        return {
+            "queued_batches": len(self._items),
+            "capacity": self._capacity,
+            "accepted_batches": self._accepted,
+            "taken_batches": self._taken,
+            "write_timeouts": self._timeouts,
+        }
+
+
+class MemoryRolloutWriter:
+    """A rollout worker's end: each instance is one writer with its own batch numbering."""
+
+    def __init__(self, queue: Any, *, description: str):
+        self._queue = queue
+        self._description = description
+        self._id = uuid.uuid4().hex
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def write_batch(self, batch: RolloutBatch, *, timeout: float | None = None) -> None:
+        """Store ``batch``; wait while the queue is full, up to ``timeout`` seconds (``None``:
+        forever), then raise ``TimeoutError`` with the batch not stored."""
+        import ray
+
+        from marin_rl_core.rollout_serialization import serialize_rollout_batch
+
+        data = serialize_rollout_batch(batch)
+        with self._lock:  # keeps this writer's batches in order if shared between threads
+            try:
+                status = ray.get(self._queue.put.remote(self._id, self._seq, data, timeout))
+            except BaseException:
+                # Unknown whether the queue took it: never reuse its number for another batch.
+                self._seq += 1
+                raise
+            if status == "timeout":  # certainly not stored, so its number is free again
+                raise TimeoutError(
+                    f"{self._description} stayed full for {timeout} s, so the batch was not "
+                    "stored: the trainer is reading rollouts more slowly than they are written. "
+                    "Raise [storage] capacity, lower num_rollout_workers, or pass a longer "
+                    "timeout to write_batch."
+                )
+            self._seq += 1
+
+
+class MemoryRolloutReader:
+    """The trainer's end: takes batches out of the queue (each batch is returned once)."""
+
+    def __init__(self, queue: Any):
+        self._queue = queue
+
+    def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
+        import ray
+
+        from marin_rl_core.rollout_serialization import deserialize_rollout_batch
+
+        if max_batches < 1:
+            return []
+        items = ray.get(self._queue.take.remote(max_batches, max(0.0, timeout)))
+        return [deserialize_rollout_batch(item) for item in items]
+
+
+_uid = itertools.count()
+
+
+class MemoryRolloutStorage:
+    """A handle on the job's queue actor; picklable, so it can be sent to Ray workers."""
+
+    def __init__(self, config: MemoryStorageConfig):
+        self.config = config
+        self.queue_name = config.queue_name or f"marinrl-rollouts-{uuid.uuid4().hex[:16]}"
+        self._queue: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config, "queue_name": self.queue_name}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self.queue_name = state["queue_name"]
+        self._queue = None
+
+    @property
+    def _description(self) -> str:
+        return (
+            f"memory rollout storage queue {self.queue_name!r} "
+            f"(capacity {self.config.capacity} batches)"
+        )
+
+    def _queue_actor(self) -> Any:
+        if self._queue is None:
+            import ray
+
+            actor_class = ray.remote(RolloutQueue)
+            # get_if_exists makes concurrent first uses from several processes agree on one actor.
+            self._queue = actor_class.options(
+                name=self.queue_name,
+                namespace=self.config.namespace,
+                get_if_exists=True,
+                lifetime="detached",
+                num_cpus=0,
+                max_restarts=0,
+            ).remote(self.config.capacity)
+        return self._queue
+
+    def writer(self) -> MemoryRolloutWriter:
+        return MemoryRolloutWriter(self._queue_actor(), description=self._description)
+
+    def reader(self) -> MemoryRolloutReader:
+        return MemoryRolloutReader(self._queue_actor())
+
+    def stats(self) -> dict[str, int]:
+        """Counters of the queue: queued, accepted and taken batches, write timeouts."""
+        import ray
+
+        return ray.get(self._queue_actor().stats.remote())
+
+    def close(self) -> None:
+        """Remove the queue actor and whatever it still holds (call once, at job end)."""
+        import ray
+
+        if not ray.is_initialized():
+            return  # the cluster, and the queue with it, is already gone
+        try:
+            actor = ray.get_actor(self.queue_name, namespace=self.config.namespace)
+        except ValueError:
+            return
+        ray.kill(actor)
+        self._queue = None
+
+
+def build_memory_storage(config: MemoryStorageConfig) -> MemoryRolloutStorage:
+    return MemoryRolloutStorage(config)
+
+
+@hookimpl
+def marinrl_register_storages():
+    yield StoragePlugin(
+        name="memory",
+        summary="Bounded in-memory queue held by a Ray actor, with back-pressure (one job).",
+        config_class=MemoryStorageConfig,
+        build=build_memory_storage,
+    )
