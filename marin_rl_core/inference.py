@@ -1,0 +1,229 @@
+"""Sampling from the policy with levanter's paged-attention ``InferenceEngine``.
+
+:class:`SamplingEngine` builds one levanter engine (KV cache, decode state) and keeps it for the
+life of the process: new weights are swapped in with :meth:`SamplingEngine.update_model`, which
+costs nothing (the jitted prefill/decode functions take the model as an argument, so the same
+compiled code runs on the new weights as long as their shapes do not change).
+
+Notes on levanter's engine that shaped this wrapper:
+
+* ``InferenceEngine.reset()`` reuses the engine's *initial* decode state, whose buffers were
+  donated to the first prefill, so calling it after a ``generate`` fails with a deleted/donated
+  buffer error. It is not needed: ``generate`` frees every finished sequence's slot and pages
+  on the device and on the host. Should a call ever leave a slot in use (it cannot when every
+  sequence ends by ``max_tokens``, as here), the engine is rebuilt from scratch instead.
+* A ``generate`` call ends after ``ceil(max_seq_len / max_rounds)`` decode calls, so
+  ``max_rounds = max_seq_len`` makes one jitted decode loop produce every token, and requests
+  are chunked so that each chunk fits in the slots and the prefill buffer at once.
+* The sampler reports logprobs of the *tempered* distribution (``log_softmax(logits / T)``; for
+  ``T = 0`` the untempered one).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import attrs
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
+from levanter.inference.jit_scheduler import SeqDecodingParams
+from levanter.models.lm_model import LmHeadModel
+
+logger = logging.getLogger(__name__)
+
+
+@attrs.frozen(eq=False)
+class Sample:
+    """One sampled response.
+
+    Args:
+        tokens: int32 response tokens, ending with the stop token when one was hit.
+        logprobs: float32, the sampling distribution's logprob of each token.
+        stopped: whether the response ended with a stop token (``False``: it hit
+            ``max_tokens``; the rollout is then *truncated*).
+    """
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    stopped: bool
+
+
+class SamplingEngine:
+    """Generates ``n`` samples per prompt from a levanter LM, reusable across weight updates.
+
+    Args:
+        model: the policy (a levanter ``LmHeadModel`` with ``decode``, e.g. Llama).
+        max_seq_len: the most tokens (prompt + response) of one sequence.
+        eos_id: the tokenizer's end-of-sequence id, always a stop token.
+        max_seqs: sequences decoded at once (prompts x samples per chunk of work).
+        max_prefill_tokens: prompt tokens prefilled in one call.
+        max_stop_tokens: the most stop tokens (EOS included) a request may have.
+        page_size: tokens per KV-cache page.
+        compute_dtype: KV-cache dtype (float32 keeps sampler and trainer logprobs identical up to
+            float rounding).
+    """
+
+    def __init__(
+        self,
+        model: LmHeadModel,
+        *,
+        max_seq_len: int,
+        eos_id: int,
+        max_seqs: int = 256,
+        max_prefill_tokens: int = 2048,
+        max_stop_tokens: int = 4,
+        page_size: int = 16,
+        compute_dtype: jnp.dtype = jnp.float32,
+    ) -> None:
+        pages_per_seq = -(-max_seq_len // page_size)
+        self.max_seq_len = max_seq_len
+        self.eos_id = int(eos_id)
+        self.max_stop_tokens = max_stop_tokens
+        self._config = InferenceEngineConfig(
+            max_seq_len=max_seq_len,
+            page_size=page_size,
+            max_pages=max_seqs * pages_per_seq,
+            max_seqs=max_seqs,
+            max_seqs_in_prefill=max_seqs,
+            max_prefill_size=max_prefill_tokens,
+            max_queued_tokens=max(max_seqs, 512),
+            max_rounds=max(max_seq_len - 1, 1),
+            max_stop_seqs=max_stop_tokens,
+            max_stop_tokens=1,
+            enable_logprobs=True,
+            compute_dtype=compute_dtype,
+        )
+        self._model = model
+        self._engine = self._new_engine()
+
+    def _new_engine(self) -> InferenceEngine:
+        return InferenceEngine.from_model_with_config(
+            model=self._model, tokenizer=None, config=self._config
+        )
+
+    @property
+    def model(self) -> LmHeadModel:
+        return self._model
+
+    def update_model(self, model: LmHeadModel) -> None:
+        """Sample from ``model`` from now on. It must have the same structure and shapes as the
+        current model (new weights of the same architecture); anything else is rejected."""
+        old = jax.tree.structure(self._model)
+        new = jax.tree.structure(model)
+        if old != new or any(
+            a.shape != b.shape or a.dtype != b.dtype
+            for a, b in zip(jax.tree.leaves(self._model), jax.tree.leaves(model))
+        ):
+            raise ValueError(
+                "update_model needs a model with the same architecture and parameter shapes as "
+                "the one the engine was built for; build a new SamplingEngine for a different one."
+            )
+        self._model = model
+        self._engine.model = model
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+    ) -> list[list[Sample]]:
+        """Sample ``n`` responses for each prompt.
+
+        Args:
+            prompts: token ids of each prompt (no padding).
+            n: samples per prompt.
+            temperature: softmax temperature; 0 is greedy (all ``n`` samples are then equal).
+            max_tokens: the most tokens of one response (lowered to fit ``max_seq_len``).
+            stop_tokens: ids that end a response, besides EOS.
+            seed: the same seed, prompts and weights give the same samples.
+
+        Returns:
+            ``result[i][k]`` is the ``k``-th sample for ``prompts[i]``.
+        """
+        if n < 1 or n > self._config.max_seqs:
+            raise ValueError(f"n must be in 1..{self._config.max_seqs} (max_seqs), got {n}")
+        stops = list(dict.fromkeys([self.eos_id, *map(int, stop_tokens)]))
+        if len(stops) > self.max_stop_tokens:
+            raise ValueError(
+                f"{len(stops)} stop tokens (EOS included) but the engine was built for at most "
+                f"{self.max_stop_tokens}; pass max_stop_tokens= when building it"
+            )
+        for i, prompt in enumerate(prompts):
+            if not 0 < len(prompt) < self.max_seq_len:
+                raise ValueError(
+                    f"prompt {i} has {len(prompt)} tokens; prompts need 1..{self.max_seq_len - 1} "
+                    f"tokens (max_seq_len={self.max_seq_len})"
+                )
+        stop_array = hax.named(jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position"))
+        base_key = jax.random.PRNGKey(seed)
+
+        results: list[list[Sample]] = []
+        for chunk_start, chunk in self._chunks(prompts, n):
+            requests = []
+            for j, prompt in enumerate(chunk):
+                prompt_len = len(prompt)
+                budget = min(max_tokens, self.max_seq_len - prompt_len)
+                params = SeqDecodingParams(
+                    max_num_tokens=jnp.asarray(prompt_len + budget, dtype=jnp.int32),
+                    stop_tokens=stop_array,
+                    temperature=jnp.asarray(temperature, dtype=jnp.float32),
+                    key=jax.random.fold_in(base_key, chunk_start + j),
+                )
+                requests.append(
+                    Request(
+                        prompt_tokens=[int(t) for t in prompt],
+                        request_id=j,
+                        decode_params=params,
+                        n_generations=n,
+                        enable_logprobs=True,
+                    )
+                )
+            out = self._engine.generate(requests)
+            self._check_engine_drained()
+            stop_set = set(stops)
+            for j in range(len(chunk)):
+                samples = []
+                for k in range(n):
+                    tokens = np.asarray(out.tokens[j * n + k], dtype=np.int32)
+                    logprobs = np.asarray(out.logprobs[j * n + k], dtype=np.float32)
+                    stopped = bool(tokens.size) and int(tokens[-1]) in stop_set
+                    samples.append(Sample(tokens=tokens, logprobs=logprobs, stopped=stopped))
+                results.append(samples)
+        return results
+
+    def _chunks(self, prompts: Sequence[Sequence[int]], n: int):
+        """Consecutive runs of prompts whose samples fit in the slots and whose prompt tokens fit
+        in the prefill buffer, so each ``generate`` of the engine finishes in one decode loop."""
+        max_prompts = self._config.max_seqs // n
+        budget = int(self._config.max_prefill_size)
+        start = 0
+        while start < len(prompts):
+            end, tokens = start, 0
+            while end < len(prompts) and end - start < max_prompts and tokens + len(prompts[end]) <= budget:
+                tokens += len(prompts[end])
+                end += 1
+            if end == start:
+                raise ValueError(
+                    f"prompt {start} ({len(prompts[start])} tokens) does not fit in the prefill "
+                    f"buffer of {budget} tokens"
+                )
+            yield start, prompts[start:end]
+            start = end
+
+    def _check_engine_drained(self) -> None:
+        engine = self._engine
+        if len(engine.free_slots) == self._config.max_seqs and not engine.request_queue:
+            return
+        logger.warning("levanter engine kept sequences after generate; rebuilding its state")
+        self._engine = self._new_engine()
+
+
+__all__ = ["Sample", "SamplingEngine"]

@@ -1,0 +1,58 @@
+"""The docs describe what the code has: every hook, command, exit code, plugin and config section."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+import attrs
+import pytest
+
+from marin_rl_core import ExitCode, build_registry, hookspecs
+from marin_rl_core.config import RLJobConfig
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def read(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+@pytest.mark.parametrize("hook", sorted(n for n in dir(hookspecs) if n.startswith("marinrl_")))
+def test_every_hook_is_documented(hook):
+    assert f"### `{hook}`" in read("hooks.md")
+    assert getattr(hookspecs, hook).__doc__, f"{hook} needs a docstring"
+
+
+@pytest.mark.parametrize(
+    "command", ["run", "eval PATH", "report RUN_DIR", "plugins list", "config show", "config validate FILE"]
+)
+def test_every_command_is_documented(command):
+    assert f"## `marinrl {command}" in read("cli.md")
+
+
+@pytest.mark.parametrize("code", list(ExitCode), ids=lambda c: c.name)
+def test_every_exit_code_is_documented(code):
+    assert f"| {int(code)} | `{code.name}` |" in read("cli.md")
+
+
+@pytest.mark.parametrize("entry", build_registry().entries(), ids=lambda e: f"{e.kind}:{e.name}")
+def test_every_builtin_plugin_and_its_keys_are_documented(entry):
+    text = read("plugins.md")
+    assert f"## `{entry.name}`" in text
+    for field in attrs.fields(entry.record.config_class):
+        assert f"`{field.name}`" in text, f"{entry.name}.{field.name} is not in docs/plugins.md"
+
+
+@pytest.mark.parametrize("field", [f.name for f in attrs.fields(RLJobConfig)])
+def test_every_config_section_is_documented(field):
+    assert f"`{field}`" in read("configuration.md") or f"`[{field}]`" in read("configuration.md")
+
+
+def test_writing_plugins_walks_through_the_shipped_example():
+    example = Path(__file__).resolve().parents[1] / "examples" / "marinrl-echo"
+    project = tomllib.loads((example / "pyproject.toml").read_text())["project"]
+    text = read("writing-plugins.md")
+    assert f'name = "{project["name"]}"' in text and f'version = "{project["version"]}"' in text
+    for name, target in project["entry-points"]["marinrl"].items():
+        assert f'{name} = "{target}"' in text
