@@ -77,7 +77,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(f"no checkpoint in {path} (expected {path}/{CHECKPOINT_DIR}/step-*)")
+        raise FileNotFoundError(
+            f"no checkpoint in {path} (expected {path}/{CHECKPOINT_DIR}/step-*)"
+        )
     return found
 
 
@@ -88,7 +90,9 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
     return eqx.tree_deserialise_leaves(Path(checkpoint) / "model.eqx", like)
 
 
-def load_checkpoint(checkpoint: str | Path, *, model_like: Any, opt_state_like: Any = None) -> tuple[Any, Any, dict[str, Any]]:
+def load_checkpoint(
+    checkpoint: str | Path, *, model_like: Any, opt_state_like: Any = None
+) -> tuple[Any, Any, dict[str, Any]]:
     """Read ``(model, opt_state, state)``; ``opt_state`` is ``None`` when not asked for."""
     import equinox as eqx
 

@@ -336,10 +336,12 @@ def _train(cfg: Any, registry: Any) -> None:
 @app.command("eval")
 def eval_command(
     checkpoint: Annotated[
-        Path, typer.Argument(help="A run directory (its latest checkpoint) or a checkpoint directory.")
+        Path,
+        typer.Argument(help="A run directory (its latest checkpoint) or a checkpoint directory."),
     ],
     n_examples: Annotated[
-        int | None, typer.Option(help="Held-out problems per lesson (default: the run's eval.n_examples).")
+        int | None,
+        typer.Option(help="Held-out problems per lesson (default: the run's eval.n_examples)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     plugin: PluginOpt = None,

@@ -49,7 +49,7 @@ class ModelConfig:
     num_layers: int = 2
     num_heads: int = 4
     num_kv_heads: int = 4
-    max_seq_len: int = 32
+    max_seq_len: int = 16
 
 
 @attrs.frozen(kw_only=True)
@@ -67,14 +67,14 @@ class TrainerConfig:
         checkpoint_interval_steps: save a checkpoint every this many steps (and at the end).
     """
 
-    num_train_steps: int = 200
+    num_train_steps: int = 2000
     batch_size: int = 256
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     warmup_steps: int = 5
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     sync_interval_steps: int = 1
-    checkpoint_interval_steps: int = 50
+    checkpoint_interval_steps: int = 250
 
 
 @attrs.frozen(kw_only=True)
@@ -103,19 +103,21 @@ class EvalConfig:
     """Held-out evaluation run by the rollout workers.
 
     Args:
-        frequency: full eval of every lesson every this many rollout batches (0: only at start
-            and end).
+        frequency: full eval of every lesson every this many trainer steps (0: only at start
+            and end), by rollout worker 0 with the newest weights it has.
         n_examples: problems per lesson in a full eval.
         micro_frequency: a small eval of the current lesson every this many batches (0: off).
         micro_n_examples: problems in a micro-eval.
         sampling: sampling for eval (greedy by default).
     """
 
-    frequency: int = 5
-    n_examples: int = 128
+    frequency: int = 25
+    n_examples: int = 30
     micro_frequency: int = 0
     micro_n_examples: int = 32
-    sampling: SamplingParams = SamplingParams(temperature=0.0, n_generations_per_prompt=1)
+    sampling: SamplingParams = SamplingParams(
+        temperature=0.0, max_tokens=3, n_generations_per_prompt=1
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -186,7 +188,8 @@ class CurriculumChoice(PluginChoice):
 
 
 CHOICE_TYPES: dict[str, type[PluginChoice]] = {
-    c.kind: c for c in (EnvChoice, LossChoice, StorageChoice, WeightTransferChoice, CurriculumChoice)
+    c.kind: c
+    for c in (EnvChoice, LossChoice, StorageChoice, WeightTransferChoice, CurriculumChoice)
 }
 
 
@@ -211,7 +214,8 @@ class RLJobConfig:
     model: ModelConfig = ModelConfig()
     trainer: TrainerConfig = TrainerConfig()
     replay_buffer: ReplayBufferConfig = ReplayBufferConfig()
-    sampling: SamplingParams = SamplingParams()
+    # The default task's answers are one token plus the stop token: see docs/default-task.md.
+    sampling: SamplingParams = SamplingParams(temperature=1.5, max_tokens=2)
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     env: EnvChoice = EnvChoice(name="math")
@@ -338,7 +342,9 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
         parts = []
         for key in sorted(exc.extra_fields):
             close = difflib.get_close_matches(key, known, n=1)
-            parts.append(f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            parts.append(
+                f"unknown key {key!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+            )
         return "; ".join(parts) + (f"; valid keys: {', '.join(known)}" if known else "")
     if isinstance(exc, KeyError):
         return "required key missing"
@@ -426,7 +432,11 @@ def _check_plugin_names(data: Mapping[str, Any], registry: Registry) -> None:
         if isinstance(section, Mapping) and "name" in section:
             if isinstance(section["name"], str):
                 registry.get(kind, section["name"], where=f"$.{kind}.name")
-    lessons = data.get("curriculum", {}).get("lessons", []) if isinstance(data.get("curriculum"), Mapping) else []
+    lessons = (
+        data.get("curriculum", {}).get("lessons", [])
+        if isinstance(data.get("curriculum"), Mapping)
+        else []
+    )
     for i, lesson in enumerate(lessons if isinstance(lessons, list) else []):
         if isinstance(lesson, Mapping) and lesson.get("env"):
             registry.get("env", lesson["env"], where=f"$.curriculum.lessons[{i}].env")
@@ -469,6 +479,11 @@ def resolve_config(
         _apply_override(merged, path, value, text)
     _check_plugin_names(merged, registry)
     converter = make_converter(registry)
+    # Partial tables override the defaults key by key: `--set eval.sampling.max_tokens=5` keeps
+    # eval's greedy temperature rather than rebuilding SamplingParams from its class defaults.
+    # (Plugin sections unstructure to just their name here, so a plugin's keys always start
+    # from the defaults of the plugin the section selects.)
+    merged = _merged(_drop_none(converter.unstructure(RLJobConfig())), merged)
     try:
         config = converter.structure(merged, RLJobConfig)
     except (ClassValidationError, IterableValidationError) as exc:
@@ -478,6 +493,12 @@ def resolve_config(
     config = _fill_plugin_defaults(config, registry, converter)
     validate_config(config, registry, converter)
     return config
+
+
+def _merged(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, Any]:
+    out = json.loads(json.dumps(base))
+    _deep_merge(out, other)
+    return out
 
 
 def _deep_merge(into: dict[str, Any], other: Mapping[str, Any]) -> None:
@@ -510,7 +531,9 @@ def _fill_plugin_defaults(config: RLJobConfig, registry: Registry, converter) ->
     return config
 
 
-def lesson_env_config(config: RLJobConfig, lesson: LessonConfig, registry: Registry) -> tuple[str, Any]:
+def lesson_env_config(
+    config: RLJobConfig, lesson: LessonConfig, registry: Registry
+) -> tuple[str, Any]:
     """The env name and structured env config a lesson uses: the run's ``[env]`` config (when
     the lesson uses the same env) with the lesson's ``env_config`` overrides on top."""
     env_name = lesson.env or config.env.name
@@ -564,7 +587,12 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
         del per_batch
     if config.num_rollout_workers < 1:
         errors.append(f"$.num_rollout_workers: must be >= 1, got {config.num_rollout_workers}")
-    for name in ("num_train_steps", "batch_size", "sync_interval_steps", "checkpoint_interval_steps"):
+    for name in (
+        "num_train_steps",
+        "batch_size",
+        "sync_interval_steps",
+        "checkpoint_interval_steps",
+    ):
         if getattr(config.trainer, name) < 1:
             errors.append(f"$.trainer.{name}: must be >= 1, got {getattr(config.trainer, name)}")
     for tracker in config.logging.tracker:

@@ -15,7 +15,9 @@ from marin_rl_core.registry import Registry
 from marin_rl_core.rollout_worker import EVAL_SEED_OFFSET
 
 
-def evaluate_checkpoint(path: str | Path, registry: Registry, *, n_examples: int | None = None) -> dict[str, Any]:
+def evaluate_checkpoint(
+    path: str | Path, registry: Registry, *, n_examples: int | None = None
+) -> dict[str, Any]:
     """Score ``path`` (a run directory or one of its checkpoints) on every lesson.
 
     Returns ``{"checkpoint": str, "step": int, "lessons": {id: {"reward": float, "n": int}}}``.
@@ -31,7 +33,9 @@ def evaluate_checkpoint(path: str | Path, registry: Registry, *, n_examples: int
     run_dir = checkpoint.parent.parent
     config_file = run_dir / "config.toml"
     if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} does not exist: the checkpoint's run config is needed")
+        raise FileNotFoundError(
+            f"{config_file} does not exist: the checkpoint's run config is needed"
+        )
     config = resolve_config(registry, files=[config_file])
     step = int(json.loads((checkpoint / "state.json").read_text())["step"])
     tokenizer = load_tokenizer(config.model.tokenizer)
@@ -49,6 +53,7 @@ def evaluate_checkpoint(path: str | Path, registry: Registry, *, n_examples: int
         "checkpoint": str(checkpoint),
         "step": step,
         "lessons": {
-            lesson: {"reward": stats.mean_reward, "n": stats.n_rollouts} for lesson, (stats, _) in results.items()
+            lesson: {"reward": stats.mean_reward, "n": stats.n_rollouts}
+            for lesson, (stats, _) in results.items()
         },
     }

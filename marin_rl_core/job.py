@@ -268,9 +268,13 @@ class RLJob:
         spec = self.registry.spec
 
         def make(role: str, index: int) -> WorkerConfig:
-            return WorkerConfig(role=role, index=index, run_dir=str(self.run_dir), config=data, registry=spec)
+            return WorkerConfig(
+                role=role, index=index, run_dir=str(self.run_dir), config=data, registry=spec
+            )
 
-        return make("trainer", 0), [make("rollout", i) for i in range(self.config.num_rollout_workers)]
+        return make("trainer", 0), [
+            make("rollout", i) for i in range(self.config.num_rollout_workers)
+        ]
 
     def _start_ray(self) -> bool:
         import ray
@@ -306,22 +310,28 @@ class RLJob:
         storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         interrupted = False
         try:
-            hub = ray.remote(MetricsHub).options(num_cpus=0).remote(
-                str(self.run_dir), config.logging.tracker, self.run_id
+            hub = (
+                ray.remote(MetricsHub)
+                .options(num_cpus=0)
+                .remote(str(self.run_dir), config.logging.tracker, self.run_id)
             )
-            curriculum = ray.remote(CurriculumService).options(num_cpus=0).remote(
-                trainer_wc, resume_state.get("curriculum")
+            curriculum = (
+                ray.remote(CurriculumService)
+                .options(num_cpus=0)
+                .remote(trainer_wc, resume_state.get("curriculum"))
             )
-            trainer = ray.remote(TrainerService).options(num_cpus=0, max_concurrency=4).remote(
-                trainer_wc, storage, curriculum, hub
+            trainer = (
+                ray.remote(TrainerService)
+                .options(num_cpus=0, max_concurrency=4)
+                .remote(trainer_wc, storage, curriculum, hub)
             )
             actors += [hub, curriculum, trainer]
             info = ray.get(trainer.ready.remote())
             start_step = int(info["step"])
             rollouts = [
-                ray.remote(RolloutService).options(num_cpus=0, max_concurrency=4).remote(
-                    wc, storage, info["address"], curriculum, hub
-                )
+                ray.remote(RolloutService)
+                .options(num_cpus=0, max_concurrency=4)
+                .remote(wc, storage, info["address"], curriculum, hub)
                 for wc in rollout_wcs
             ]
             actors += rollouts
@@ -359,13 +369,22 @@ class RLJob:
             rollout_counters=counters,
         )
 
-    def _watch(self, train_run: Any, rollout_runs: list[Any], hub: Any, start: int, progress: bool) -> int:
+    def _watch(
+        self, train_run: Any, rollout_runs: list[Any], hub: Any, start: int, progress: bool
+    ) -> int:
         """Wait for the trainer, failing fast if any worker dies; drive the progress bar."""
         import ray
         from tqdm import tqdm
 
         total = self.config.trainer.num_train_steps
-        bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=total,
+            initial=start,
+            desc="train",
+            unit="step",
+            disable=not progress,
+            dynamic_ncols=True,
+        )
         try:
             while True:
                 done, _ = ray.wait([train_run, *rollout_runs], num_returns=1, timeout=1.0)
@@ -375,7 +394,11 @@ class RLJob:
                 postfix = {}
                 if "reward" in latest:
                     postfix["reward"] = f"{latest['reward']:.3f}"
-                evals = {k.split("/")[1]: v for k, v in latest.items() if k.startswith("eval/") and k.endswith("/reward")}
+                evals = {
+                    k.split("/")[1]: v
+                    for k, v in latest.items()
+                    if k.startswith("eval/") and k.endswith("/reward")
+                }
                 if evals:
                     postfix["eval"] = " ".join(f"{k}={v:.2f}" for k, v in evals.items())
                 bar.set_postfix(postfix, refresh=False)
@@ -386,6 +409,8 @@ class RLJob:
                     bar.update(max(0, final - bar.n))
                     return final
                 ray.get(done[0])  # a rollout worker ended early: re-raise its error
-                raise MarinRLError("a rollout worker stopped before training finished; see RUN_DIR/logs")
+                raise MarinRLError(
+                    "a rollout worker stopped before training finished; see RUN_DIR/logs"
+                )
         finally:
             bar.close()

@@ -49,7 +49,9 @@ class MetricsHub:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._latest: dict[str, Any] = {}
-        self._external = [_make_tracker(name, run_dir, run_id) for name in trackers if name != "jsonl"]
+        self._external = [
+            _make_tracker(name, run_dir, run_id) for name in trackers if name != "jsonl"
+        ]
 
     def log(self, metrics: Mapping[str, Any], *, step: int, source: str) -> None:
         row = {"step": int(step), "source": source, "time": time.time()}
@@ -58,7 +60,9 @@ class MetricsHub:
         self._latest.update(row)
         self._latest[f"{source}_step"] = int(step)
         for tracker in self._external:
-            tracker.log({k: v for k, v in row.items() if isinstance(v, int | float)}, step=int(step))
+            tracker.log(
+                {k: v for k, v in row.items() if isinstance(v, int | float)}, step=int(step)
+            )
 
     def latest(self) -> dict[str, Any]:
         """The most recent value of every metric (plus ``<source>_step``)."""

@@ -9,6 +9,7 @@ position holds 0.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -70,21 +71,28 @@ def build_model(
     return LlamaLMHeadModel.init(vocab, llama_config(config), key=key)
 
 
+# Hugging Face model_type -> levanter config class (all decode with the paged KV cache that
+# the InferenceEngine needs). Listed explicitly: asking each levanter config for its converter
+# would reach for its reference checkpoint on the Hub.
+_LEVANTER_CONFIGS = {
+    "llama": ("levanter.models.llama", "LlamaConfig"),
+    "mistral": ("levanter.models.mistral", "MistralConfig"),
+    "qwen2": ("levanter.models.qwen", "QwenConfig"),
+    "qwen3": ("levanter.models.qwen", "Qwen3Config"),
+}
+
+
 def _lev_config_class_for(model_type: str) -> type:
     """The levanter config class whose Hugging Face counterpart has ``model_type``."""
-    from levanter.compat.hf_checkpoints import HFCompatConfig
-    from levanter.models.lm_model import LmConfig
+    import importlib
 
-    for cls in LmConfig.get_known_choices().values():
-        if not (isinstance(cls, type) and issubclass(cls, HFCompatConfig)):
-            continue
-        try:
-            hf_cls = cls().hf_checkpoint_converter().HfConfigClass
-        except Exception:  # noqa: BLE001 - a config whose converter needs the network
-            continue
-        if getattr(hf_cls, "model_type", None) == model_type:
-            return cls
-    raise ValueError(f"levanter has no model for Hugging Face model_type {model_type!r}")
+    if model_type not in _LEVANTER_CONFIGS:
+        raise ValueError(
+            f"checkpoint model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted(_LEVANTER_CONFIGS))}"
+        )
+    module, name = _LEVANTER_CONFIGS[model_type]
+    return getattr(importlib.import_module(module), name)
 
 
 def load_hf_checkpoint(
@@ -124,8 +132,6 @@ def load_hf_checkpoint(
     )
     lev_config = converter.config_from_hf_checkpoint(str(path))
     if hasattr(lev_config, "gradient_checkpointing"):
-        import dataclasses
-
         lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
     return converter.load_pretrained(lev_config.model_type, ref=str(path), config=lev_config, dtype=dtype)
 

@@ -97,11 +97,9 @@ class RolloutStorage(Protocol):
     so the storage object must be picklable (a handle, not the data).
     """
 
-    def writer(self) -> RolloutWriter:
-        ...
+    def writer(self) -> RolloutWriter: ...
 
-    def reader(self) -> RolloutReader:
-        ...
+    def reader(self) -> RolloutReader: ...
 
 
 @runtime_checkable
@@ -117,8 +115,7 @@ class WeightTransferServer(Protocol):
         """Make ``model``'s weights, tagged ``weight_step``, what clients receive next."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -130,8 +127,7 @@ class WeightTransferClient(Protocol):
         shaped like ``like_model``, or ``None`` if nothing newer was published."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -176,8 +172,7 @@ class CurriculumPolicy(Protocol):
         """JSON-serialisable state, saved beside trainer checkpoints."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 EnvBuild = Callable[[Any], Env]

@@ -115,7 +115,9 @@ class Registry:
     def verify(self, expected: dict[str, dict[str, tuple[str, str]]]) -> None:
         """Raise unless this registry holds exactly the plugins (and versions) of ``expected``."""
         actual = self.spec.plugin_set
-        normalise = lambda d: {k: {n: tuple(v) for n, v in d.get(k, {}).items()} for k in RECORD_TYPES}  # noqa: E731
+        normalise = lambda d: {
+            k: {n: tuple(v) for n, v in d.get(k, {}).items()} for k in RECORD_TYPES
+        }  # noqa: E731
         expected_n, actual_n = normalise(expected), normalise(actual)
         if expected_n == actual_n:
             return

@@ -75,14 +75,17 @@ class RolloutManager:
         self.registry = registry
         self.tokenizer = tokenizer
         self.curriculum = curriculum
-        self.lessons: dict[str, LessonConfig] = {l.id: l for l in config.curriculum.lessons}
+        self.lessons: dict[str, LessonConfig] = {lesson.id: lesson for lesson in config.curriculum.lessons}
         self._envs: dict[str, Env] = {}
         self._errors_logged: set[str] = set()
         biggest = max(
-            [config.sampling_for(l).n_prompts * config.sampling_for(l).n_generations_per_prompt for l in self.lessons.values()]
+            [
+                config.sampling_for(lesson).n_prompts * config.sampling_for(lesson).n_generations_per_prompt
+                for lesson in self.lessons.values()
+            ]
             + [config.eval.n_examples * config.eval.sampling.n_generations_per_prompt]
         )
-        stops = {len(self._stop_tokens(config.sampling_for(l))) for l in self.lessons.values()}
+        stops = {len(self._stop_tokens(config.sampling_for(lesson))) for lesson in self.lessons.values()}
         self._engine = SamplingEngine(
             model,
             max_seq_len=config.model.max_seq_len,
@@ -123,7 +126,10 @@ class RolloutManager:
             logger.warning(
                 "lesson %s: the env raised while %s (%s: %s); that problem is dropped "
                 "(further errors of this lesson are only counted in env_errors)",
-                lesson_id, what, type(exc).__name__, exc,
+                lesson_id,
+                what,
+                type(exc).__name__,
+                exc,
             )
 
     # --- sampling -----------------------------------------------------------------------------
@@ -148,7 +154,9 @@ class RolloutManager:
         """
         lesson = self.lessons[lesson_id]
         if sampling is None:
-            sampling = self.config.eval.sampling if mode == "eval" else self.config.sampling_for(lesson)
+            sampling = (
+                self.config.eval.sampling if mode == "eval" else self.config.sampling_for(lesson)
+            )
         env = self.env(lesson_id)
         env_name = lesson.env or self.config.env.name
         env_errors = 0
@@ -169,8 +177,11 @@ class RolloutManager:
                 continue
             if not 0 < len(tokens) <= limit:
                 self._env_error(
-                    lesson_id, f"posing problem {problem.id}",
-                    ValueError(f"prompt has {len(tokens)} tokens; model.max_seq_len allows {limit}"),
+                    lesson_id,
+                    f"posing problem {problem.id}",
+                    ValueError(
+                        f"prompt has {len(tokens)} tokens; model.max_seq_len allows {limit}"
+                    ),
                 )
                 env_errors += 1
                 continue
@@ -191,7 +202,9 @@ class RolloutManager:
         )
         seconds = time.perf_counter() - start
         stop_set = set(self._stop_tokens(sampling))
-        metadata = RolloutMetadata(worker_id=worker_id, timestamp=time.time(), weight_step=weight_step)
+        metadata = RolloutMetadata(
+            worker_id=worker_id, timestamp=time.time(), weight_step=weight_step
+        )
         groups: list[RolloutGroup] = []
         generated = 0
         for problem, prompt, problem_samples in zip(kept, prompts, samples):
@@ -224,7 +237,9 @@ class RolloutManager:
         metrics = {
             "env_errors": float(env_errors),
             "reward": float(np.mean([r.reward for r in rollouts_all])) if rollouts_all else 0.0,
-            "frac_truncated": float(np.mean([r.truncated for r in rollouts_all])) if rollouts_all else 0.0,
+            "frac_truncated": float(np.mean([r.truncated for r in rollouts_all]))
+            if rollouts_all
+            else 0.0,
             "tokens": float(sum(r.num_tokens for r in rollouts_all)),
             "generated_tokens": float(generated),
             "seconds": seconds,

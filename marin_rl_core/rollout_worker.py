@@ -67,7 +67,10 @@ class RolloutWorker:
         self._stop = threading.Event()
         tokenizer = load_tokenizer(config.model.tokenizer)
         self.manager = RolloutManager(
-            config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer,
+            config,
+            registry,
+            model=initial_model(config, tokenizer),
+            tokenizer=tokenizer,
             curriculum=curriculum,
         )
         self.weight_step = -1  # nothing received yet
@@ -128,7 +131,9 @@ class RolloutWorker:
         for lesson_id, state in self.curriculum.lesson_states().items():
             metrics[f"curriculum/{lesson_id}/state"] = state
         self._log(metrics, step=step, source="eval")
-        logger.info("eval at step %d: %s", step, {k: v for k, v in metrics.items() if k.endswith("/reward")})
+        logger.info(
+            "eval at step %d: %s", step, {k: v for k, v in metrics.items() if k.endswith("/reward")}
+        )
         return metrics
 
     def _write(self, batch: RolloutBatch) -> bool:
@@ -149,17 +154,27 @@ class RolloutWorker:
             self.sync_weights()
             if self.worker_index == 0 and self.weight_step >= self._next_eval:
                 self.evaluate()
-                self._next_eval = (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
+                self._next_eval = (
+                    (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
+                )
             lesson_id = self.curriculum.sample_lesson(seed=self._seed(counter))
             sampling = self.config.sampling_for(self.manager.lessons[lesson_id])
             micro = self.config.eval.micro_frequency
             if micro and counter and counter % micro == 0:
                 stats, _ = self.manager.evaluate_lesson(
-                    lesson_id, n_examples=self.config.eval.micro_n_examples, eval_type="micro_eval",
-                    seed=self._seed(counter) + 1, step=self.weight_step, weight_step=self.weight_step,
+                    lesson_id,
+                    n_examples=self.config.eval.micro_n_examples,
+                    eval_type="micro_eval",
+                    seed=self._seed(counter) + 1,
+                    step=self.weight_step,
+                    weight_step=self.weight_step,
                     worker_id=self.worker_id,
                 )
-                self._log({f"micro_eval/{lesson_id}/reward": stats.mean_reward}, step=self.weight_step, source="rollout")
+                self._log(
+                    {f"micro_eval/{lesson_id}/reward": stats.mean_reward},
+                    step=self.weight_step,
+                    source="rollout",
+                )
             batch, metrics = self.manager.sample_batch(
                 lesson_id,
                 n_examples=sampling.n_prompts,

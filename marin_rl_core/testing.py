@@ -146,7 +146,9 @@ def check_curriculum(record: CurriculumPlugin) -> None:
     round-trips through JSON."""
     lessons = [
         LessonConfig(id="easy", stop_threshold=0.9),
-        LessonConfig(id="hard", dependencies=[LessonDependency(lesson="easy", reward_threshold=0.5)]),
+        LessonConfig(
+            id="hard", dependencies=[LessonDependency(lesson="easy", reward_threshold=0.5)]
+        ),
     ]
     policy = record.build(check_config_class(record), lessons)
     assert isinstance(policy, protocols.CurriculumPolicy), f"curriculum {record.name!r}"

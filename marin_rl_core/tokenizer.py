@@ -75,8 +75,10 @@ class Tokenizer(Protocol):
         """Token ids of ``text``, with the BOS id in front when ``add_bos`` (and one exists)."""
         ...
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        """The text of ``ids``; special tokens (pad, bos, eos) are dropped unless asked for."""
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``ids``. Special tokens are kept (``"7<pad>"``) unless
+        ``skip_special_tokens``: a policy must not pass off a response that goes on after its
+        answer as that answer; callers strip the stop tokens themselves."""
         ...
 
     def to_hf(self) -> Any:
@@ -133,7 +135,7 @@ class ArithmeticTokenizer:
         ids = [self._id_of.get(piece, self.unk_id) for piece in self._split.findall(text)]
         return [self.bos_id, *ids] if add_bos else ids
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         pieces = []
         for i in ids:
             i = int(i)
@@ -213,7 +215,7 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def to_hf(self) -> Any:

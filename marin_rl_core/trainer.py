@@ -94,7 +94,12 @@ def zero_variance_fraction(rollouts: list[Rollout]) -> float:
     groups: dict[tuple[Any, ...], list[float]] = {}
     for r in rollouts:
         meta = r.metadata
-        key = (r.lesson_id, r.problem_id, meta.worker_id if meta else "", meta.timestamp if meta else 0)
+        key = (
+            r.lesson_id,
+            r.problem_id,
+            meta.worker_id if meta else "",
+            meta.timestamp if meta else 0,
+        )
         groups.setdefault(key, []).append(r.reward)
     sized = [g for g in groups.values() if len(g) > 1]
     if not sized:
@@ -154,14 +159,18 @@ class Trainer:
         self.resumed_state: dict[str, Any] = {}
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is not None:
-            model, opt_state, state = load_checkpoint(checkpoint, model_like=model, opt_state_like=opt_state)
+            model, opt_state, state = load_checkpoint(
+                checkpoint, model_like=model, opt_state_like=opt_state
+            )
             self.step = int(state["step"])
             self.resumed_state = state
             logger.info("resumed from %s at step %d", checkpoint, self.step)
         self.model, self.opt_state = model, opt_state
         self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
         self.replay.set_current_step(self.step)
-        self._train_step = make_train_step(self.loss.create_loss_fn(reference, model), self.optimizer)
+        self._train_step = make_train_step(
+            self.loss.create_loss_fn(reference, model), self.optimizer
+        )
         self._key = jax.random.PRNGKey(config.seed + 1)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
@@ -199,7 +208,11 @@ class Trainer:
             sampled = self.replay.sample(size)
             if sampled is not None:
                 rollouts, advantages = sampled
-                return list(rollouts), np.asarray(advantages, dtype=np.float32), time.perf_counter() - start
+                return (
+                    list(rollouts),
+                    np.asarray(advantages, dtype=np.float32),
+                    time.perf_counter() - start,
+                )
             batches = self.reader.read_batches(max_batches=64, timeout=0.5)
             if batches:
                 self.replay.add_batches(batches, current_step=self.step)
@@ -212,7 +225,8 @@ class Trainer:
         from marin_rl_core.training_batch import training_batch_from_rollouts
 
         sampling_t = {
-            r.lesson_id: self.config.sampling_for(self._lesson(r.lesson_id)).temperature for r in rollouts
+            r.lesson_id: self.config.sampling_for(self._lesson(r.lesson_id)).temperature
+            for r in rollouts
         }
         temperature = next(iter(sampling_t.values())) if len(set(sampling_t.values())) == 1 else 1.0
         batch = training_batch_from_rollouts(
@@ -253,18 +267,23 @@ class Trainer:
         with (self.run_dir / "samples.jsonl").open("a") as f:
             for r in rollouts[:n]:
                 meta = r.metadata
-                f.write(json.dumps({
-                    "step": self.step,
-                    "lesson": r.lesson_id,
-                    "problem": r.problem_id,
-                    "prompt": self.tokenizer.decode(r.prompt_tokens.tolist()),
-                    "response": self.tokenizer.decode(r.response_tokens.tolist()),
-                    "reward": r.reward,
-                    "truncated": r.truncated,
-                    "worker_id": meta.worker_id if meta else None,
-                    "weight_step": meta.weight_step if meta else None,
-                    "timestamp": meta.timestamp if meta else None,
-                }) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "step": self.step,
+                            "lesson": r.lesson_id,
+                            "problem": r.problem_id,
+                            "prompt": self.tokenizer.decode(r.prompt_tokens.tolist()),
+                            "response": self.tokenizer.decode(r.response_tokens.tolist()),
+                            "reward": r.reward,
+                            "truncated": r.truncated,
+                            "worker_id": meta.worker_id if meta else None,
+                            "weight_step": meta.weight_step if meta else None,
+                            "timestamp": meta.timestamp if meta else None,
+                        }
+                    )
+                    + "\n"
+                )
 
     def _lesson(self, lesson_id: str) -> Any:
         for lesson in self.config.curriculum.lessons:
@@ -291,7 +310,11 @@ class Trainer:
                 reward=float(np.mean([r.reward for r in rollouts])),
                 frac_zero_variance_groups=zero_variance_fraction(rollouts),
                 wait_seconds=waited,
-                mean_weight_lag=float(np.mean([self.step - 1 - r.metadata.weight_step for r in rollouts if r.metadata])),
+                mean_weight_lag=float(
+                    np.mean(
+                        [self.step - 1 - r.metadata.weight_step for r in rollouts if r.metadata]
+                    )
+                ),
             )
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
             if self.step % t.sync_interval_steps == 0 or self.step == total:

@@ -18,6 +18,12 @@ def test_builtin_plugin_honours_its_contract(entry):
 
 
 def test_the_kinds_the_product_promises_are_built_in():
-    for kind, name in [("env", "math"), ("env", "mock"), ("loss", "rloo"), ("storage", "memory"),
-                       ("weight_transfer", "arrow_flight"), ("curriculum", "default")]:
+    for kind, name in [
+        ("env", "math"),
+        ("env", "mock"),
+        ("loss", "rloo"),
+        ("storage", "memory"),
+        ("weight_transfer", "arrow_flight"),
+        ("curriculum", "default"),
+    ]:
         assert name in REGISTRY.names(kind), f"{kind} {name!r} is missing"

@@ -36,14 +36,18 @@ def test_config_show_prints_every_default_and_reads_back_unchanged(cli, tmp_path
 def test_yaml_config_round_trips_too(cli, tmp_path):
     shown = cli("config", "show", "--format", "yaml", "--set", "loss.kl_coef=0.25")
     assert shown.exit_code == 0, shown.output
-    again = cli("config", "show", "--format", "yaml", "--config", write(tmp_path, shown.output, "run.yaml"))
+    again = cli(
+        "config", "show", "--format", "yaml", "--config", write(tmp_path, shown.output, "run.yaml")
+    )
     assert again.output == shown.output
     assert "kl_coef: 0.25" in again.output
 
 
 def test_flags_override_files_and_set_overrides_flags(tmp_path):
     registry = build_registry()
-    path = write(tmp_path, '[env]\nname = "mock"\n[loss]\nkl_coef = 0.5\n[trainer]\nbatch_size = 64\n')
+    path = write(
+        tmp_path, '[env]\nname = "mock"\n[loss]\nkl_coef = 0.5\n[trainer]\nbatch_size = 64\n'
+    )
     config = resolve_config(
         registry,
         files=[path],
@@ -115,9 +119,19 @@ dependencies = [{ lesson = "d" }]
 
 
 def test_batch_size_must_hold_whole_groups(cli):
-    result = cli("config", "show", "--set", "trainer.batch_size=100", "--set", "sampling.n_generations_per_prompt=8")
+    result = cli(
+        "config",
+        "show",
+        "--set",
+        "trainer.batch_size=100",
+        "--set",
+        "sampling.n_generations_per_prompt=8",
+    )
     assert result.exit_code == ExitCode.CONFIG
-    assert "$.trainer.batch_size: 100 is not a multiple of $.sampling.n_generations_per_prompt (8)" in result.output
+    assert (
+        "$.trainer.batch_size: 100 is not a multiple of $.sampling.n_generations_per_prompt (8)"
+        in result.output
+    )
 
 
 def test_missing_config_file_is_a_config_error(cli, tmp_path):
@@ -131,3 +145,15 @@ def test_every_shipped_config_file_is_valid(path):
     registry = build_registry()
     config = resolve_config(registry, files=[path])
     assert dump_config(config, registry)
+
+
+def test_a_partial_table_overrides_only_its_keys():
+    registry = build_registry()
+    default = resolve_config(registry)
+    config = resolve_config(registry, overrides=["eval.sampling.max_tokens=5"])
+    assert config.eval.sampling.max_tokens == 5
+    # The rest of eval's sampling keeps eval's own defaults (greedy, one sample), not the
+    # SamplingParams class defaults.
+    assert config.eval.sampling.temperature == default.eval.sampling.temperature == 0.0
+    assert config.eval.sampling.n_generations_per_prompt == 1
+    assert config.sampling == default.sampling

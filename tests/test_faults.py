@@ -41,7 +41,9 @@ class flaky_plugin:  # a plugin object, registered in code
     @staticmethod
     @hookimpl
     def marinrl_register_envs():
-        yield EnvPlugin(name="flaky", summary="raises on problem 3", config_class=FlakyConfig, build=FlakyEnv)
+        yield EnvPlugin(
+            name="flaky", summary="raises on problem 3", config_class=FlakyConfig, build=FlakyEnv
+        )
 
 
 def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
@@ -52,7 +54,9 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     registry = build_registry(modules=[flaky_plugin])
     config = resolve_config(registry, selections={"env": "flaky"}, overrides=["eval.n_examples=6"])
     tokenizer = load_tokenizer(config.model.tokenizer)
-    manager = RolloutManager(config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer)
+    manager = RolloutManager(
+        config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
+    )
     batch, metrics = manager.sample_batch(
         "flaky", n_examples=6, n_generations=4, mode="train", seed=0, weight_step=7, worker_id="w"
     )
@@ -70,26 +74,41 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
 
 
 JOB = [
-    "--env", "mock",
-    "--set", "trainer.batch_size=32",
-    "--set", "sampling.n_prompts=4",
-    "--set", "eval.n_examples=8",
-    "--set", "eval.frequency=100",
+    "--env",
+    "mock",
+    "--set",
+    "trainer.batch_size=32",
+    "--set",
+    "sampling.n_prompts=4",
+    "--set",
+    "eval.n_examples=8",
+    "--set",
+    "eval.frequency=100",
 ]
 
 
 def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_path):
     result = cli(
-        "run", *JOB,
-        "--set", f'run_dir="{tmp_path}"', "--run-id", "diverge",
-        "--set", "trainer.num_train_steps=8",
-        "--set", "trainer.checkpoint_interval_steps=1",
+        "run",
+        *JOB,
+        "--set",
+        f'run_dir="{tmp_path}"',
+        "--run-id",
+        "diverge",
+        "--set",
+        "trainer.num_train_steps=8",
+        "--set",
+        "trainer.checkpoint_interval_steps=1",
         # At this rate AdamW's decoupled weight decay alone (no reward signal is needed)
         # overflows the weights in one update, so the next loss is not finite.
-        "--set", "trainer.learning_rate=1e30",
-        "--set", "trainer.weight_decay=0.1",
-        "--set", "trainer.warmup_steps=0",
-        "--set", "trainer.max_grad_norm=0.0",
+        "--set",
+        "trainer.learning_rate=1e30",
+        "--set",
+        "trainer.weight_decay=0.1",
+        "--set",
+        "trainer.warmup_steps=0",
+        "--set",
+        "trainer.max_grad_norm=0.0",
     )
     assert result.exit_code == ExitCode.FAILURE, result.output
     assert "training diverged at step" in result.output
@@ -104,10 +123,24 @@ def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_p
 def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path):
     run_dir = tmp_path / "interrupt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "marin_rl_core", "run", *JOB,
-         "--set", f'run_dir="{tmp_path}"', "--run-id", "interrupt",
-         "--set", "trainer.num_train_steps=1000", "--set", "trainer.checkpoint_interval_steps=1000"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "marin_rl_core",
+            "run",
+            *JOB,
+            "--set",
+            f'run_dir="{tmp_path}"',
+            "--run-id",
+            "interrupt",
+            "--set",
+            "trainer.num_train_steps=1000",
+            "--set",
+            "trainer.checkpoint_interval_steps=1000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -60,7 +60,9 @@ def test_rollouts_flow_and_weights_sync(first_run):
 
 def test_every_trained_rollout_carries_metadata_and_none_is_stale(first_run):
     result, _, _ = first_run
-    samples = [json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line) for line in (result.run_dir / "samples.jsonl").read_text().splitlines()
+    ]
     assert samples
     start = read_metrics(result.run_dir)[0]["time"]
     for s in samples:

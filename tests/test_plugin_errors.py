@@ -116,7 +116,12 @@ def test_extra_plugin_module_that_fails_to_import_names_the_flag(cli):
 
 
 def test_extra_plugin_module_is_loaded_and_listed(cli, install_dist):
-    install_dist("local-stuff", "0.0.0", entry_points={}, modules={"twin_local": ENV_MODULE.replace("{summary}", "local twin")})
+    install_dist(
+        "local-stuff",
+        "0.0.0",
+        entry_points={},
+        modules={"twin_local": ENV_MODULE.replace("{summary}", "local twin")},
+    )
     result = cli("plugins", "list", "--plugin", "twin_local", "--kind", "env", "--json")
     assert result.exit_code == 0, result.output
     rows = {row["name"]: row for row in __import__("json").loads(result.output)}

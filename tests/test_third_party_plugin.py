@@ -21,8 +21,18 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``pip install`` the example package into its own directory (not the test env)."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(EXAMPLE)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(EXAMPLE),
+        ],
         check=True,
         capture_output=True,
     )
@@ -30,7 +40,10 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def marinrl(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+    }
     return subprocess.run(
         [sys.executable, "-m", "marin_rl_core", *args], capture_output=True, text=True, env=env
     )

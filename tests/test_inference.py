@@ -1,0 +1,199 @@
+"""SamplingEngine: sampling from levanter's InferenceEngine, weight swaps, and logprob agreement
+with the trainer's computation. One engine (compiled once) is shared by the whole module."""
+
+from __future__ import annotations
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from levanter.layers.attention import AttentionMask
+
+from marin_rl_core import Rollout
+from marin_rl_core.config import ModelConfig
+from marin_rl_core.inference import SamplingEngine
+from marin_rl_core.model import build_model, next_token_logprobs, response_logprobs
+from marin_rl_core.tokenizer import ArithmeticTokenizer
+from marin_rl_core.training_batch import training_batch_from_rollouts
+
+MAX_SEQ_LEN = 16
+CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def tok() -> ArithmeticTokenizer:
+    return ArithmeticTokenizer()
+
+
+@pytest.fixture(scope="module")
+def models(tok):
+    return [build_model(CONFIG, tok, key=jax.random.PRNGKey(k)) for k in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def engine(models, tok):
+    # Small max_seqs so that the tests also exercise chunking of larger requests.
+    eng = SamplingEngine(models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=32)
+    yield eng
+    eng.update_model(models[0])
+
+
+@pytest.fixture()
+def fresh(engine, models):
+    """The engine sampling from models[0] at the start of each test."""
+    engine.update_model(models[0])
+    return engine
+
+
+def prompts_of(tok, n=6):
+    return [tok.encode(f"{a}+{a + 1}=", add_bos=True) for a in range(n)]
+
+
+def greedy_reference(model, prompt, max_tokens, stops):
+    """Greedy decoding with full forward passes (no KV cache)."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        x = hax.named(jnp.asarray([ids], dtype=jnp.int32), ("batch", "position"))
+        logits = model(x, attn_mask=AttentionMask.causal()).array
+        ids.append(int(jnp.argmax(logits[0, -1])))
+        if ids[-1] in stops:
+            break
+    return ids[len(prompt) :]
+
+
+def test_samples_have_the_requested_shape(fresh, tok):
+    prompts = prompts_of(tok)
+    out = fresh.generate(prompts, n=4, temperature=1.0, max_tokens=5, seed=0)
+    assert len(out) == len(prompts) and all(len(group) == 4 for group in out)
+    for group in out:
+        for s in group:
+            assert 1 <= s.tokens.size <= 5
+            assert s.logprobs.shape == s.tokens.shape
+            assert np.all(s.logprobs <= 0)
+            assert s.stopped == (int(s.tokens[-1]) == tok.eos_id)
+            assert s.stopped or s.tokens.size == 5
+            assert tok.eos_id not in s.tokens[:-1].tolist()
+
+
+def test_greedy_matches_full_forward_decoding(fresh, models, tok):
+    prompts = prompts_of(tok, 3)
+    out = fresh.generate(prompts, n=2, temperature=0.0, max_tokens=6)
+    for prompt, group in zip(prompts, out):
+        want = greedy_reference(models[0], prompt, 6, {tok.eos_id})
+        assert group[0].tokens.tolist() == want
+        assert group[1].tokens.tolist() == want
+
+
+def test_seed_fixes_the_samples(fresh, tok):
+    prompts = prompts_of(tok, 3)
+    a = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
+    b = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
+    c = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=8)
+    tokens = lambda out: [s.tokens.tolist() for group in out for s in group]  # noqa: E731
+    assert tokens(a) == tokens(b)
+    assert tokens(a) != tokens(c)
+    # The samples of one prompt differ from each other (clones get their own keys).
+    assert len({tuple(s.tokens.tolist()) for s in a[0]}) > 1
+
+
+def test_extra_stop_tokens_end_responses(fresh, models, tok):
+    prompt = prompts_of(tok, 1)[0]
+    free = greedy_reference(models[0], prompt, 6, {tok.eos_id})
+    assert len(free) >= 3, "pick a prompt whose greedy answer is long enough"
+    stop = free[1]
+    (group,) = fresh.generate([prompt], n=1, temperature=0.0, max_tokens=6, stop_tokens=[stop])
+    assert group[0].tokens.tolist() == free[: free.index(stop) + 1]
+    assert group[0].stopped
+
+
+def test_sampler_logprobs_equal_trainer_logprobs(fresh, models, tok):
+    """The equivalence the importance ratio rests on: for the same weights, the logprob the
+    engine reports for each sampled token equals the trainer's (full forward) logprob."""
+    prompts = prompts_of(tok, 6)
+    out = fresh.generate(prompts, n=4, temperature=1.0, max_tokens=6, seed=3)
+    rollouts = [
+        Rollout(
+            env_name="mock",
+            lesson_id="l",
+            problem_id=str(i),
+            prompt_tokens=prompt,
+            response_tokens=s.tokens,
+            response_logprobs=s.logprobs,
+            reward=0.0,
+        )
+        for i, (prompt, group) in enumerate(zip(prompts, out))
+        for s in group
+    ]
+    batch = training_batch_from_rollouts(rollouts, np.zeros(len(rollouts)), MAX_SEQ_LEN, tok.pad_id)
+    trainer = np.asarray(next_token_logprobs(models[0], batch.input_ids).array)
+    mask = np.asarray(batch.loss_mask.array)
+    behaviour = np.asarray(batch.behaviour_logprobs.array)
+    assert mask.sum() == sum(r.response_tokens.size for r in rollouts)
+    np.testing.assert_allclose(trainer * mask, behaviour, atol=1e-4)
+    # The list-based helper agrees too.
+    helper = response_logprobs(
+        models[0], [r.prompt_tokens for r in rollouts], [r.response_tokens for r in rollouts],
+        max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id,
+    )
+    for r, got in zip(rollouts, helper):
+        np.testing.assert_allclose(got, r.response_logprobs, atol=1e-4)
+
+
+def test_tempered_sampling_reports_tempered_logprobs(fresh, models, tok):
+    prompts = prompts_of(tok, 2)
+    out = fresh.generate(prompts, n=2, temperature=0.5, max_tokens=4, seed=1)
+    flat = [(p, s) for p, group in zip(prompts, out) for s in group]
+    got = response_logprobs(
+        models[0], [p for p, _ in flat], [s.tokens for _, s in flat],
+        max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id, temperature=0.5,
+    )
+    for (_, s), want in zip(flat, got):
+        np.testing.assert_allclose(s.logprobs, want, atol=1e-4)
+
+
+def test_new_weights_are_used_after_update_model(engine, models, tok):
+    prompts = prompts_of(tok, 3)
+    engine.update_model(models[0])
+    before = engine.generate(prompts, n=1, temperature=0.0, max_tokens=6)
+    engine.update_model(models[1])
+    after = engine.generate(prompts, n=1, temperature=0.0, max_tokens=6)
+    for prompt, old, new in zip(prompts, before, after):
+        assert old[0].tokens.tolist() == greedy_reference(models[0], prompt, 6, {tok.eos_id})
+        assert new[0].tokens.tolist() == greedy_reference(models[1], prompt, 6, {tok.eos_id})
+    assert [g[0].tokens.tolist() for g in before] != [g[0].tokens.tolist() for g in after]
+    # Sampled logprobs come from the new weights as well.
+    sampled = engine.generate(prompts, n=2, temperature=1.0, max_tokens=4, seed=5)
+    flat = [(p, s) for p, group in zip(prompts, sampled) for s in group]
+    want = response_logprobs(
+        models[1], [p for p, _ in flat], [s.tokens for _, s in flat], max_seq_len=MAX_SEQ_LEN
+    )
+    for (_, s), w in zip(flat, want):
+        np.testing.assert_allclose(s.logprobs, w, atol=1e-4)
+
+
+def test_more_samples_than_slots_are_chunked(fresh, models, tok):
+    prompts = [tok.encode(f"{a}*{b}=", add_bos=True) for a in range(5) for b in range(4)]
+    out = fresh.generate(prompts, n=4, temperature=0.0, max_tokens=3)  # 80 sequences, 32 slots
+    assert len(out) == 20
+    for prompt, group in list(zip(prompts, out))[::7]:
+        assert group[0].tokens.tolist() == greedy_reference(models[0], prompt, 3, {tok.eos_id})
+
+
+def test_bad_requests_are_rejected_with_the_limit(fresh, tok):
+    with pytest.raises(ValueError, match="prompts need 1..15 tokens"):
+        fresh.generate([[1] * MAX_SEQ_LEN], n=1)
+    with pytest.raises(ValueError, match="n must be in 1..32"):
+        fresh.generate(prompts_of(tok, 1), n=33)
+    with pytest.raises(ValueError, match="at most 4"):
+        fresh.generate(prompts_of(tok, 1), n=1, stop_tokens=[10, 11, 12, 13])
+
+
+def test_update_model_rejects_a_different_architecture(fresh, tok):
+    other = build_model(
+        ModelConfig(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2, num_kv_heads=2, max_seq_len=MAX_SEQ_LEN),
+        tok,
+        key=jax.random.PRNGKey(0),
+    )
+    with pytest.raises(ValueError, match="same architecture"):
+        fresh.update_model(other)
