@@ -32,7 +32,9 @@ def slow(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Check style with ruff."""
     session.install("ruff>=0.6")
-    session.run("ruff", "check", "marin_rl_core", "plugins", "tests", "bench", "examples", "noxfile.py")
+    session.run(
+        "ruff", "check", "marin_rl_core", "plugins", "tests", "bench", "examples", "noxfile.py"
+    )
 
 
 @nox.session(python=PYTHON, default=False)

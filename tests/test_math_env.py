@@ -7,10 +7,10 @@ import subprocess
 import sys
 
 import pytest
+from marin_rl_plugins.math_env import MathEnv, MathEnvConfig, default_lessons
 
 from marin_rl_core import Env, LessonConfig, build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_plugins.math_env import MathEnv, MathEnvConfig, default_lessons
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from marin_rl_plugins.mock_env import MockEnv, MockEnvConfig
 
 from marin_rl_core import Env, build_registry
 from marin_rl_core.tokenizer import ArithmeticTokenizer
-from marin_rl_plugins.mock_env import MockEnv, MockEnvConfig
 
 
 def numbers(prompt: str) -> list[int]:

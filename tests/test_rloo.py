@@ -6,13 +6,13 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
+from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss, rloo_advantages
 
 from marin_rl_core import RLLossModule, Rollout, RolloutGroup, build_registry
 from marin_rl_core.config import ModelConfig
 from marin_rl_core.model import build_model, next_token_logprobs
 from marin_rl_core.tokenizer import ArithmeticTokenizer
 from marin_rl_core.training_batch import training_batch_from_rollouts
-from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss, rloo_advantages
 
 CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4, num_kv_heads=4, max_seq_len=12)
 
