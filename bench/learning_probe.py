@@ -30,7 +30,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lead-in", default="", help="an easier task trained first (e.g. add_small)")
     p.add_argument("--lead-in-steps", type=int, default=0)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--time-limit", type=float, default=180.0, help="seconds per seed")
+    p.add_argument("--time-limit", type=float, default=180.0, help="training seconds per seed")
+    p.add_argument(
+        "--total-time-limit", type=float, default=570.0, help="seconds for the whole invocation"
+    )
     p.add_argument("--n-prompts", type=int, default=32)
     p.add_argument("--n-samples", type=int, default=8)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -51,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--clip-epsilon", type=float, default=0.2)
     p.add_argument("--kl-coef", type=float, default=0.0)
     p.add_argument("--normalize-std", action="store_true")
+    p.add_argument(
+        "--updates-per-batch", type=int, default=1,
+        help="optimizer steps on each batch (>1 reuses rollouts off-policy; the ratio is clipped)",
+    )
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--target", type=float, default=0.8)
     p.add_argument("--stop-after-target", type=int, default=60, help="steps to keep training after the target")
@@ -59,7 +66,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def run_seed(args: argparse.Namespace, seed: int) -> dict:
+def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     import equinox as eqx
     import jax
     import optax
@@ -149,7 +156,11 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
     t0 = time.perf_counter()
     metrics_log: dict[str, float] = {}
     timing = {"generate": 0.0, "train": 0.0}
-    while step < args.steps and time.perf_counter() - t0 < args.time_limit:
+    while (
+        step < args.steps
+        and time.perf_counter() - t0 < args.time_limit
+        and time.perf_counter() < deadline
+    ):
         step += 1
         use_lead = lead_env is not None and step <= args.lead_in_steps
         cur_env = lead_env if use_lead else env
@@ -190,7 +201,8 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
         )
         key, sub = jax.random.split(key)
         t_train = time.perf_counter()
-        model, opt_state, metrics = train_step(model, opt_state, batch, sub)
+        for _ in range(args.updates_per_batch):
+            model, opt_state, metrics = train_step(model, opt_state, batch, sub)
         engine.update_model(model)
         metrics_log = {k: float(v) for k, v in metrics.items()}
         timing["train"] += time.perf_counter() - t_train
@@ -249,7 +261,13 @@ def run_seed(args: argparse.Namespace, seed: int) -> dict:
 def main() -> None:
     args = parse_args()
     print("settings " + json.dumps(vars(args)), flush=True)
-    summaries = [run_seed(args, seed) for seed in args.seeds]
+    deadline = time.perf_counter() + args.total_time_limit
+    summaries = []
+    for seed in args.seeds:
+        if time.perf_counter() >= deadline:
+            print(f"  seed {seed} skipped: --total-time-limit reached", flush=True)
+            continue
+        summaries.append(run_seed(args, seed, deadline))
     if args.json:
         with open(args.json, "a") as f:
             for s in summaries:

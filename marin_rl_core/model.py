@@ -68,7 +68,8 @@ def build_model(
     if config.checkpoint:
         return load_hf_checkpoint(config.checkpoint, tokenizer=tokenizer)
     vocab = Axis(VOCAB, tokenizer.vocab_size)
-    return LlamaLMHeadModel.init(vocab, llama_config(config), key=key)
+    # One compiled init instead of hundreds of small eager ops (seconds on a busy CPU).
+    return eqx.filter_jit(LlamaLMHeadModel.init)(vocab, llama_config(config), key=key)
 
 
 # Hugging Face model_type -> levanter config class (all decode with the paged KV cache that
@@ -93,6 +94,13 @@ def _lev_config_class_for(model_type: str) -> type:
         )
     module, name = _LEVANTER_CONFIGS[model_type]
     return getattr(importlib.import_module(module), name)
+
+
+def _checkpoint_mesh() -> Any:
+    """A one-axis ("data") mesh over the local devices: levanter's checkpoint code places and
+    gathers arrays with sharding constraints that need a mesh in context."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
+    return hax.partitioning.set_mesh(mesh)
 
 
 def load_hf_checkpoint(
@@ -133,7 +141,10 @@ def load_hf_checkpoint(
     lev_config = converter.config_from_hf_checkpoint(str(path))
     if hasattr(lev_config, "gradient_checkpointing"):
         lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
-    return converter.load_pretrained(lev_config.model_type, ref=str(path), config=lev_config, dtype=dtype)
+    with _checkpoint_mesh():
+        return converter.load_pretrained(
+            lev_config.model_type, ref=str(path), config=lev_config, dtype=dtype
+        )
 
 
 def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Tokenizer) -> None:
@@ -154,7 +165,8 @@ def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Token
         HfConfigClass=type(hf_config),
         tokenizer=tokenizer.to_hf(),
     )
-    converter.save_pretrained(model, str(path), save_reference_code=False, save_tokenizer=True)
+    with _checkpoint_mesh():
+        converter.save_pretrained(model, str(path), save_reference_code=False, save_tokenizer=True)
 
 
 # --- logprobs ------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -37,8 +38,18 @@ def ids_of(rows):
     return hax.named(jnp.asarray(rows, dtype=jnp.int32), ("batch", "position"))
 
 
+@eqx.filter_jit
+def _logits(model, ids):
+    return model(ids, attn_mask=AttentionMask.causal())
+
+
 def logits_of(model, rows):
-    return np.asarray(model(ids_of(rows), attn_mask=AttentionMask.causal()).array, dtype=np.float64)
+    return np.asarray(_logits(model, ids_of(rows)).array, dtype=np.float64)
+
+
+@eqx.filter_jit
+def jitted_logprobs(model, ids, temperature=1.0):
+    return next_token_logprobs_and_entropy(model, ids, temperature=temperature)
 
 
 def log_softmax(x):
@@ -85,7 +96,7 @@ def test_loading_something_that_is_not_a_checkpoint_says_so(tmp_path, tok):
 
 def test_next_token_logprobs_align_with_the_following_token(model, tok):
     row = tok.encode("8+5=13", add_bos=True) + [tok.eos_id]
-    logprobs = np.asarray(next_token_logprobs(model, ids_of([row])).array[0])
+    logprobs = np.asarray(jitted_logprobs(model, ids_of([row]))[0].array[0])
     expected = log_softmax(logits_of(model, [row])[0])
     for t in range(len(row) - 1):
         assert logprobs[t] == pytest.approx(expected[t, row[t + 1]], abs=1e-5)
@@ -95,21 +106,21 @@ def test_next_token_logprobs_align_with_the_following_token(model, tok):
 def test_right_padding_does_not_change_earlier_positions(model, tok):
     row = tok.encode("2+2=4", add_bos=True)
     padded = row + [tok.pad_id] * 5
-    short = np.asarray(next_token_logprobs(model, ids_of([row])).array[0])
-    long = np.asarray(next_token_logprobs(model, ids_of([padded])).array[0])
+    short = np.asarray(jitted_logprobs(model, ids_of([row]))[0].array[0])
+    long = np.asarray(jitted_logprobs(model, ids_of([padded]))[0].array[0])
     np.testing.assert_allclose(long[: len(row) - 1], short[:-1], atol=1e-5)
 
 
 def test_temperature_and_entropy(model, tok):
     row = tok.encode("1+1=2", add_bos=True)
-    logprobs, entropy = next_token_logprobs_and_entropy(model, ids_of([row]), temperature=2.0)
+    logprobs, entropy = jitted_logprobs(model, ids_of([row]), 2.0)
     tempered = log_softmax(logits_of(model, [row])[0] / 2.0)
     assert float(logprobs.array[0, 0]) == pytest.approx(tempered[0, row[1]], abs=1e-5)
     expected_entropy = -(np.exp(tempered) * tempered).sum(-1)
     np.testing.assert_allclose(np.asarray(entropy.array[0, :-1]), expected_entropy[:-1], rtol=1e-4)
     # Temperature 0 (greedy sampling) reports the untempered distribution, like the sampler.
     greedy = next_token_logprobs(model, ids_of([row]), temperature=0.0)
-    plain = next_token_logprobs(model, ids_of([row]))
+    plain = next_token_logprobs(model, ids_of([row]), temperature=1.0)
     np.testing.assert_allclose(np.asarray(greedy.array), np.asarray(plain.array))
 
 

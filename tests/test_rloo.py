@@ -14,6 +14,8 @@ from marin_rl_core.model import build_model, next_token_logprobs
 from marin_rl_core.tokenizer import ArithmeticTokenizer
 from marin_rl_core.training_batch import training_batch_from_rollouts
 
+logprobs_of = eqx.filter_jit(lambda model, ids: next_token_logprobs(model, ids))
+
 CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4, num_kv_heads=4, max_seq_len=12)
 
 
@@ -111,11 +113,11 @@ def setup():
 @pytest.mark.parametrize("clip_epsilon", [0.2, 0.05])
 def test_loss_and_metrics_match_numpy(setup, clip_epsilon):
     _, model, _, batch = setup
-    module = RLOOLoss(RLOOConfig(clip_epsilon=clip_epsilon)).build(None)
+    module = RLOOLoss(RLOOConfig(clip_epsilon=clip_epsilon, kl_coef=0.0)).build(None)
     assert not module.needs_reference_model
     loss_fn = module.create_loss_fn(None, model)
     loss, metrics = eqx.filter_jit(loss_fn)(model, batch, key=jax.random.PRNGKey(0))
-    logp = np.asarray(next_token_logprobs(model, batch.input_ids).array, dtype=np.float64)
+    logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
     mask = np.asarray(batch.loss_mask.array, dtype=np.float64)
     want, want_metrics = reference_loss(
         logp, np.asarray(batch.behaviour_logprobs.array), np.asarray(batch.advantages.array), mask, clip_epsilon
@@ -135,10 +137,10 @@ def test_kl_penalty_to_the_reference_model(setup):
     assert module.needs_reference_model
     with pytest.raises(ValueError, match="needs the reference model"):
         module.create_loss_fn(None, model)
-    loss, metrics = module.create_loss_fn(reference, model)(model, batch, key=None)
+    loss, metrics = eqx.filter_jit(module.create_loss_fn(reference, model))(model, batch, key=None)
     mask = np.asarray(batch.loss_mask.array, dtype=np.float64)
-    logp = np.asarray(next_token_logprobs(model, batch.input_ids).array, dtype=np.float64)
-    ref_logp = np.asarray(next_token_logprobs(reference, batch.input_ids).array, dtype=np.float64)
+    logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
+    ref_logp = np.asarray(logprobs_of(reference, batch.input_ids).array, dtype=np.float64)
     want, want_metrics = reference_loss(
         logp, np.asarray(batch.behaviour_logprobs.array), np.asarray(batch.advantages.array), mask,
         0.2, kl_coef=0.1, ref_logp=ref_logp,
@@ -146,7 +148,7 @@ def test_kl_penalty_to_the_reference_model(setup):
     assert float(metrics["kl"]) == pytest.approx(want_metrics["kl"], rel=1e-4)
     assert float(loss) == pytest.approx(want, rel=1e-4)
     # Against itself the KL is zero.
-    _, same = module.create_loss_fn(model, model)(model, batch, key=None)
+    _, same = eqx.filter_jit(module.create_loss_fn(model, model))(model, batch, key=None)
     assert float(same["kl"]) == pytest.approx(0.0, abs=1e-7)
 
 
@@ -155,16 +157,16 @@ def test_a_gradient_step_makes_the_best_response_more_likely(setup):
 
     tok, model, _, batch = setup
     # On-policy behaviour logprobs, as a fresh rollout would have.
-    batch = eqx.tree_at(lambda b: b.behaviour_logprobs, batch, next_token_logprobs(model, batch.input_ids) * batch.loss_mask)
-    loss_fn = RLOOLoss(RLOOConfig()).create_loss_fn(None, model)
-    grads = eqx.filter_grad(lambda m: loss_fn(m, batch, key=None)[0])(model)
+    batch = eqx.tree_at(lambda b: b.behaviour_logprobs, batch, logprobs_of(model, batch.input_ids) * batch.loss_mask)
+    loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: loss_fn(m, batch, key=None)[0]))(model)
     optimizer = optax.sgd(0.5)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
     new_model = eqx.apply_updates(model, updates)
 
     def sequence_logprob(m, row):
-        lp = np.asarray(next_token_logprobs(m, batch.input_ids).array)[row]
+        lp = np.asarray(logprobs_of(m, batch.input_ids).array)[row]
         return (lp * np.asarray(batch.loss_mask.array)[row]).sum()
 
     # Row 0 had the highest reward (advantage > 0), row 1 the lowest.
