@@ -224,16 +224,9 @@ class RLJobConfig:
     weight_transfer: WeightTransferChoice = WeightTransferChoice(name="arrow_flight")
     curriculum: CurriculumChoice = CurriculumChoice(name="default")
 
-    def choice(self, kind: str) -> PluginChoice:
-        return {c.kind: getattr(self, _field_of_kind(c.kind)) for c in CHOICE_TYPES.values()}[kind]
-
     def sampling_for(self, lesson: LessonConfig) -> SamplingParams:
         """The lesson's own sampling params, else the run's defaults."""
         return lesson.sampling if lesson.sampling is not None else self.sampling
-
-
-def _field_of_kind(kind: str) -> str:
-    return kind  # the RLJobConfig field of each plugin kind is named after the kind
 
 
 # --- the converter -------------------------------------------------------------------------------
@@ -577,14 +570,12 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
     for i, lesson in enumerate(lessons):
         sampling = config.sampling_for(lesson)
         path = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
-        per_batch = sampling.n_prompts * sampling.n_generations_per_prompt
         if config.trainer.batch_size % sampling.n_generations_per_prompt:
             errors.append(
                 f"$.trainer.batch_size: {config.trainer.batch_size} is not a multiple of "
                 f"{path}.n_generations_per_prompt ({sampling.n_generations_per_prompt}), so "
                 "training batches would split groups"
             )
-        del per_batch
     if config.num_rollout_workers < 1:
         errors.append(f"$.num_rollout_workers: must be >= 1, got {config.num_rollout_workers}")
     for name in (

@@ -138,6 +138,9 @@ class Trainer:
         from marin_rl_core.tokenizer import load_tokenizer
 
         self.config = config
+        self._temperature = {
+            lesson.id: config.sampling_for(lesson).temperature for lesson in config.curriculum.lessons
+        }
         self.run_dir = Path(run_dir)
         self.reader = reader
         self.weight_server = weight_server
@@ -224,11 +227,9 @@ class Trainer:
 
         from marin_rl_core.training_batch import training_batch_from_rollouts
 
-        sampling_t = {
-            r.lesson_id: self.config.sampling_for(self._lesson(r.lesson_id)).temperature
-            for r in rollouts
-        }
-        temperature = next(iter(sampling_t.values())) if len(set(sampling_t.values())) == 1 else 1.0
+        # Behaviour logprobs are of the tempered distribution; the loss must temper alike.
+        temperatures = {self._temperature[r.lesson_id] for r in rollouts}
+        temperature = temperatures.pop() if len(temperatures) == 1 else 1.0
         batch = training_batch_from_rollouts(
             rollouts,
             advantages,
@@ -284,12 +285,6 @@ class Trainer:
                     )
                     + "\n"
                 )
-
-    def _lesson(self, lesson_id: str) -> Any:
-        for lesson in self.config.curriculum.lessons:
-            if lesson.id == lesson_id:
-                return lesson
-        raise KeyError(lesson_id)
 
     def run(self) -> int:
         """Train until ``num_train_steps`` or a stop request; returns the step reached.
