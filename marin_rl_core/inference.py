@@ -12,9 +12,10 @@ Notes on levanter's engine that shaped this wrapper:
   buffer error. It is not needed: ``generate`` frees every finished sequence's slot and pages
   on the device and on the host. Should a call ever leave a slot in use (it cannot when every
   sequence ends by ``max_tokens``, as here), the engine is rebuilt from scratch instead.
-* A ``generate`` call ends after ``ceil(max_seq_len / max_rounds)`` decode calls, so
-  ``max_rounds = max_seq_len`` makes one jitted decode loop produce every token, and requests
-  are chunked so that each chunk fits in the slots and the prefill buffer at once.
+* The engine's ``generate`` stops after ``ceil(max_seq_len / max_rounds)`` jitted decode loops
+  (with a warning when it breaks off). ``max_rounds = max_seq_len - 1`` lets the first loop
+  produce every token a response can have, and requests are chunked so that each chunk fits
+  in the slots and the prefill buffer at once (nothing waits in the engine's queue).
 * The sampler reports logprobs of the *tempered* distribution (``log_softmax(logits / T)``; for
   ``T = 0`` the untempered one).
 """
@@ -112,9 +113,8 @@ class SamplingEngine:
     def update_model(self, model: LmHeadModel) -> None:
         """Sample from ``model`` from now on. It must have the same structure and shapes as the
         current model (new weights of the same architecture); anything else is rejected."""
-        old = jax.tree.structure(self._model)
-        new = jax.tree.structure(model)
-        if old != new or any(
+        same_structure = jax.tree.structure(self._model) == jax.tree.structure(model)  # type: ignore[operator]
+        if not same_structure or any(
             a.shape != b.shape or a.dtype != b.dtype
             for a, b in zip(jax.tree.leaves(self._model), jax.tree.leaves(model))
         ):

@@ -227,8 +227,8 @@ def _batch_logprobs(model: LmHeadModel, input_ids: NamedArray, temperature: floa
 
 def response_logprobs(
     model: LmHeadModel,
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | np.ndarray],
+    responses: Sequence[Sequence[int] | np.ndarray],
     *,
     max_seq_len: int,
     pad_id: int = 0,

@@ -227,9 +227,8 @@ class Trainer:
 
         from marin_rl_core.training_batch import training_batch_from_rollouts
 
-        # Behaviour logprobs are of the tempered distribution; the loss must temper alike.
-        temperatures = {self._temperature[r.lesson_id] for r in rollouts}
-        temperature = temperatures.pop() if len(temperatures) == 1 else 1.0
+        # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
+        temperature = [self._temperature[r.lesson_id] for r in rollouts]
         batch = training_batch_from_rollouts(
             rollouts,
             advantages,

@@ -49,8 +49,8 @@ class PackedSequences:
 
 
 def pack_sequences(
-    prompts: Sequence[Sequence[int]],
-    responses: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int] | np.ndarray],
+    responses: Sequence[Sequence[int] | np.ndarray],
     *,
     max_seq_len: int,
     pad_id: int,
@@ -124,7 +124,7 @@ def training_batch_from_rollouts(
     max_seq_len: int,
     pad_id: int,
     *,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] | np.ndarray = 1.0,
     batch_size: int | None = None,
 ) -> TrainingBatch:
     """Build a :class:`TrainingBatch` from rollouts and one advantage per rollout.
@@ -135,7 +135,8 @@ def training_batch_from_rollouts(
             over that rollout's response tokens.
         max_seq_len: the row length; longer rollouts lose the end of their response.
         pad_id: the token id that fills the rest of a row (always masked out).
-        temperature: the sampling temperature of the rollouts.
+        temperature: the sampling temperature of the rollouts: one for all, or one per rollout
+            (a batch may mix lessons sampled at different temperatures). Padding rows get 1.
         batch_size: pad the batch with empty rows (all-zero mask) up to this many, so that a
             jitted step sees one shape; ``None`` uses ``len(rollouts)``.
     """
@@ -162,13 +163,21 @@ def training_batch_from_rollouts(
         loss_mask[i, predicting] = 1.0
         token_advantages[i, predicting] = advantages[i]
         behaviour[i, predicting] = rollout.response_logprobs[:length]
+    temps = np.ones((n,), dtype=np.float32)
+    given = np.asarray(temperature, dtype=np.float32)
+    if given.ndim == 0:
+        temps[:] = given
+    elif given.shape != (len(rollouts),):
+        raise ValueError(f"{given.shape[0]} temperatures for {len(rollouts)} rollouts")
+    else:
+        temps[: len(rollouts)] = given
     axes = (Axis(BATCH, n), Axis(POS, max_seq_len))
     return TrainingBatch(
         input_ids=hax.named(jnp.asarray(input_ids), axes),
         loss_mask=hax.named(jnp.asarray(loss_mask), axes),
         advantages=hax.named(jnp.asarray(token_advantages), axes),
         behaviour_logprobs=hax.named(jnp.asarray(behaviour), axes),
-        temperature=hax.full(axes[0], temperature, dtype=jnp.float32),
+        temperature=hax.named(jnp.asarray(temps), axes[0]),
     )
 
 

@@ -285,13 +285,13 @@ def default_lessons(config: MathEnvConfig) -> Sequence[LessonConfig]:
         LessonConfig(
             id="sub_1digit",
             env_config={"task": "sub_1digit"},
-            dependencies=[LessonDependency(lesson="add_1digit", reward_threshold=0.9)],
+            dependencies=(LessonDependency(lesson="add_1digit", reward_threshold=0.9),),
             stop_threshold=0.95,
         ),
         LessonConfig(
             id="mul_1digit",
             env_config={"task": "mul_1digit"},
-            dependencies=[LessonDependency(lesson="sub_1digit", reward_threshold=0.9)],
+            dependencies=(LessonDependency(lesson="sub_1digit", reward_threshold=0.9),),
             stop_threshold=0.9,
         ),
         LessonConfig(
@@ -299,7 +299,7 @@ def default_lessons(config: MathEnvConfig) -> Sequence[LessonConfig]:
             env_config={"task": "add_2digit"},
             # Sums of 100 and more are two tokens ("19", "8"), plus the stop token.
             sampling=SamplingParams(temperature=1.5, max_tokens=3),
-            dependencies=[LessonDependency(lesson="add_1digit", reward_threshold=0.9)],
+            dependencies=(LessonDependency(lesson="add_1digit", reward_threshold=0.9),),
             stop_threshold=0.9,
         ),
     ]

@@ -159,6 +159,38 @@ def test_tempered_sampling_reports_tempered_logprobs(fresh, models, tok):
         np.testing.assert_allclose(s.logprobs, want, atol=1e-4)
 
 
+def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, tok):
+    """Lessons may sample at different temperatures and share a training batch: with one
+    temperature per row the trainer's logprobs still equal what the sampler reported."""
+    prompts = prompts_of(tok, 4)
+    rollouts, temps = [], []
+    for temperature, seed in ((0.5, 1), (1.5, 2)):
+        out = fresh.generate(prompts, n=2, temperature=temperature, max_tokens=4, seed=seed)
+        for i, (prompt, group) in enumerate(zip(prompts, out)):
+            for s in group:
+                rollouts.append(
+                    Rollout(
+                        env_name="mock", lesson_id=f"t{temperature}", problem_id=str(i),
+                        prompt_tokens=prompt, response_tokens=s.tokens,
+                        response_logprobs=s.logprobs, reward=0.0,
+                    )
+                )
+                temps.append(temperature)
+    batch = training_batch_from_rollouts(
+        rollouts, np.zeros(len(rollouts)), MAX_SEQ_LEN, tok.pad_id, temperature=temps,
+        batch_size=len(rollouts) + 2,
+    )
+    np.testing.assert_allclose(batch.temperature.array, temps + [1.0, 1.0])
+    trainer = np.asarray(
+        next_token_logprobs(models[0], batch.input_ids, temperature=batch.temperature).array
+    )
+    mask = np.asarray(batch.loss_mask.array)
+    np.testing.assert_allclose(trainer * mask, np.asarray(batch.behaviour_logprobs.array), atol=1e-4)
+    # One shared temperature would get the 0.5-tempered rows wrong.
+    shared = np.asarray(next_token_logprobs(models[0], batch.input_ids, temperature=1.5).array)
+    assert not np.allclose(shared * mask, np.asarray(batch.behaviour_logprobs.array), atol=1e-3)
+
+
 def test_new_weights_are_used_after_update_model(engine, models, tok):
     prompts = prompts_of(tok, 3)
     engine.update_model(models[0])

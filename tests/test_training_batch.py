@@ -46,6 +46,14 @@ def test_rows_of_different_lengths_are_right_padded_independently():
     np.testing.assert_allclose(batch.temperature.array, [0.7, 0.7])
 
 
+def test_one_temperature_per_rollout_and_a_count_check():
+    rs = [rollout([1], [2], [-0.5]), rollout([1], [3], [-0.5])]
+    batch = training_batch_from_rollouts(rs, [1.0, 1.0], 4, PAD, temperature=[0.5, 1.5], batch_size=3)
+    np.testing.assert_allclose(batch.temperature.array, [0.5, 1.5, 1.0])
+    with pytest.raises(ValueError, match="3 temperatures for 2 rollouts"):
+        training_batch_from_rollouts(rs, [1.0, 1.0], 4, PAD, temperature=[1.0, 1.0, 1.0])
+
+
 def test_too_long_rollouts_lose_the_end_of_their_response():
     r = rollout([1, 2, 3], list(range(10, 20)), -np.arange(1, 11, dtype=np.float32))
     batch = training_batch_from_rollouts([r], [1.0], 8, PAD)
