@@ -8,10 +8,8 @@ the lowest accuracy after reaching it).
 
     python bench/learning_probe.py --seeds 0 1 2
 
-Recommended defaults (found with this script; see the summary figures in the report):
-# RECOMMENDED-DEFAULTS-BEGIN
-# (filled in below once measured)
-# RECOMMENDED-DEFAULTS-END
+Its defaults mirror the embedded job defaults (docs/default-task.md), so a change can be tried
+here in a minute or two before a full ``bench/time_to_accuracy.py`` run.
 """
 
 from __future__ import annotations
@@ -44,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-fraction", type=float, default=0.3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--hidden", type=int, default=64)
@@ -71,15 +71,15 @@ def parse_args() -> argparse.Namespace:
 def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     import equinox as eqx
     import jax
-    import optax
     from marin_rl_plugins.math_env import MathEnv, MathEnvConfig
     from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
 
     from marin_rl_core import Rollout, RolloutGroup
-    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.config import ModelConfig, TrainerConfig
     from marin_rl_core.inference import SamplingEngine
     from marin_rl_core.model import build_model
     from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.trainer import make_optimizer
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     t_start = time.perf_counter()
@@ -115,9 +115,17 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     )
     reference = model if loss_module.needs_reference_model else None
     loss_fn = loss_module.create_loss_fn(reference, model)
-    schedule = optax.linear_schedule(args.lr / max(args.warmup, 1), args.lr, max(args.warmup, 1))
-    parts = [optax.clip_by_global_norm(args.max_grad_norm)] if args.max_grad_norm > 0 else []
-    optimizer = optax.chain(*parts, optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=args.weight_decay))
+    optimizer = make_optimizer(
+        TrainerConfig(
+            num_train_steps=args.steps,
+            learning_rate=args.lr,
+            warmup_steps=args.warmup,
+            lr_schedule=args.lr_schedule,
+            min_lr_ratio=args.min_lr_ratio,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm,
+        )
+    )
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
 
     @eqx.filter_jit

@@ -90,7 +90,7 @@ def main() -> None:
         return hax.sum(next_token_logprobs(m, b.input_ids) * b.loss_mask).scalar()
 
     reference_forward = jax.jit(reference_forward)
-    optimizer = make_optimizer(config)
+    optimizer = make_optimizer(config.trainer)
 
     def timed(step_fn) -> list[float]:
         import equinox as eqx

@@ -10,10 +10,12 @@ from marin_rl_core.errors import (
     DuplicatePluginError,
     ExitCode,
     FeatureNotAvailableError,
+    FieldValueError,
     MarinRLError,
     PluginContractError,
     PluginImportError,
     UnknownPluginError,
+    one_of,
 )
 from marin_rl_core.hookspecs import (
     PROJECT,
@@ -58,6 +60,7 @@ __all__ = [
     "DuplicatePluginError",
     "Env",
     "EnvPlugin",
+    "FieldValueError",
     "ExitCode",
     "FeatureNotAvailableError",
     "LessonConfig",
@@ -89,5 +92,6 @@ __all__ = [
     "build_registry",
     "hookimpl",
     "hookspec",
+    "one_of",
     "registry_from_spec",
 ]

@@ -11,6 +11,7 @@ everything; unknown keys are errors and every error names its path (``$.loss.kl_
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
 import re
 import tomllib
@@ -22,7 +23,7 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 
-from marin_rl_core.errors import ConfigError
+from marin_rl_core.errors import ConfigError, FieldValueError, one_of
 from marin_rl_core.hookspecs import RECORD_TYPES
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
@@ -52,6 +53,11 @@ class ModelConfig:
     max_seq_len: int = 16
 
 
+def _check_min_lr_ratio(instance: Any, attribute: attrs.Attribute, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise FieldValueError(attribute.name, f"must be in [0, 1], got {value}")
+
+
 @attrs.frozen(kw_only=True)
 class TrainerConfig:
     """The learner: optimizer, batch size, step count, weight sync and checkpoint cadence.
@@ -59,8 +65,11 @@ class TrainerConfig:
     Args:
         num_train_steps: optimizer steps before the job ends.
         batch_size: rollouts per optimizer step.
-        learning_rate: peak Adam learning rate (linear warmup, then constant).
+        learning_rate: peak Adam learning rate, reached after the warmup.
         warmup_steps: steps of linear warmup.
+        lr_schedule: after the warmup, ``"cosine"`` or ``"linear"`` decay to
+            ``min_lr_ratio * learning_rate`` at ``num_train_steps``, or ``"constant"``.
+        min_lr_ratio: the final learning rate as a fraction of the peak.
         weight_decay: AdamW weight decay.
         max_grad_norm: global gradient-norm clip; 0 disables it.
         sync_interval_steps: publish weights to rollout workers every this many steps.
@@ -71,6 +80,8 @@ class TrainerConfig:
     batch_size: int = 256
     learning_rate: float = 1e-3
     warmup_steps: int = 5
+    lr_schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "linear", "constant"))
+    min_lr_ratio: float = attrs.field(default=0.1, validator=_check_min_lr_ratio)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     sync_interval_steps: int = 1
@@ -120,21 +131,29 @@ class EvalConfig:
     )
 
 
+TRACKERS = ("jsonl", "wandb", "tensorboard")
+
+
 @attrs.frozen(kw_only=True)
 class LoggingConfig:
     """What the user sees.
 
     Args:
         progress: show a progress bar of training steps.
-        tracker: ``"jsonl"`` (always written to the run directory), plus ``"wandb"`` or
-            ``"tensorboard"`` through levanter's trackers.
+        tracker: ``"jsonl"`` (always written to the run directory), plus ``"wandb"`` and/or
+            ``"tensorboard"`` through levanter's trackers. wandb reads ``WANDB_PROJECT``
+            (default ``marinrl``), ``WANDB_ENTITY`` and ``WANDB_MODE`` from the environment and
+            keeps its local files under the run directory; tensorboard writes
+            ``RUN_DIR/tensorboard/RUN_ID`` and needs ``pip install 'marin-rl[tensorboard]'``.
         log_every: log metrics every this many steps.
         samples_per_step: rollouts of each training batch written, decoded and with their
             metadata, to ``samples.jsonl`` in the run directory (0: none).
     """
 
     progress: bool = True
-    tracker: tuple[str, ...] = attrs.field(default=("jsonl",), converter=tuple)
+    tracker: tuple[str, ...] = attrs.field(
+        default=("jsonl",), converter=tuple, validator=attrs.validators.deep_iterable(one_of(*TRACKERS))
+    )
     log_every: int = 1
     samples_per_step: int = 2
 
@@ -322,9 +341,16 @@ def _choice_unstructure_hook(converter):  # type: ignore[no-untyped-def]
 # --- errors with paths ---------------------------------------------------------------------------
 
 
+_FIELD_MARK = "\x00"
+
+
 def _format_structure_error(exc: Exception, raw: Mapping[str, Any], prefix: str = "$") -> str:
     lines = []
     for message in cattrs.transform_error(exc, path=prefix, format_exception=_format_exception):
+        if message.startswith(_FIELD_MARK):  # a FieldValueError: report it at the field's path
+            _, field, rest = message.split(_FIELD_MARK, 2)
+            text, _, path = rest.rpartition(" @ ")
+            message = f"{text} @ {path}.{field}"
         lines.append(f"  {message}")
     return "\n".join(lines)
 
@@ -341,7 +367,11 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
         return "; ".join(parts) + (f"; valid keys: {', '.join(known)}" if known else "")
     if isinstance(exc, KeyError):
         return "required key missing"
-    type_name = getattr(type_, "__name__", None) or str(type_).replace("typing.", "")
+    if isinstance(exc, FieldValueError):
+        return f"{_FIELD_MARK}{exc.field}{_FIELD_MARK}{exc}"
+    type_name = (
+        None if type_ is None else getattr(type_, "__name__", None) or str(type_).replace("typing.", "")
+    )
     if isinstance(exc, TypeError | ValueError):
         return f"{exc} (expected {type_name})" if type_name else str(exc)
     return f"{type(exc).__name__}: {exc}"
@@ -576,6 +606,11 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
                 f"{path}.n_generations_per_prompt ({sampling.n_generations_per_prompt}), so "
                 "training batches would split groups"
             )
+    if "tensorboard" in config.logging.tracker and importlib.util.find_spec("tensorboardX") is None:
+        errors.append(
+            "$.logging.tracker: \"tensorboard\" needs the tensorboardX package, which is not "
+            "installed: pip install 'marin-rl[tensorboard]'"
+        )
     if config.num_rollout_workers < 1:
         errors.append(f"$.num_rollout_workers: must be >= 1, got {config.num_rollout_workers}")
     for name in (

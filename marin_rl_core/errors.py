@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import enum
 from collections.abc import Iterable
+from typing import Any
 
 
 class ExitCode(enum.IntEnum):
@@ -46,6 +47,31 @@ class ConfigError(MarinRLError):
     """A config value is missing, unknown, mistyped or invalid. The message names its path."""
 
     exit_code = ExitCode.CONFIG
+
+
+class FieldValueError(ValueError):
+    """Raised by a config class's field validator: the error is reported at that field's path
+    (``$.trainer.lr_schedule``) instead of the enclosing table's."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def one_of(*choices: str) -> Any:
+    """An attrs validator accepting only ``choices``; the error lists them::
+
+        split: str = attrs.field(default="swap", validator=one_of("swap", "hash"))
+    """
+
+    def check(instance: Any, attribute: Any, value: Any) -> None:
+        if value not in choices:
+            raise FieldValueError(
+                attribute.name,
+                f"unknown {attribute.name} {value!r}; choose one of {', '.join(choices)}",
+            )
+
+    return check
 
 
 class UnknownPluginError(MarinRLError):

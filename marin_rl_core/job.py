@@ -206,6 +206,8 @@ class JobResult:
     interrupted: bool
     final_eval: dict[str, Any]
     rollout_counters: list[dict[str, int]]
+    ray_address: str = ""
+    """The GCS address of the Ray cluster the job ran on (given, or the local one it started)."""
 
     def load_model(self) -> Any:
         """The trained policy, read from the run's final checkpoint."""
@@ -306,6 +308,12 @@ class RLJob:
 
             resume_state = json.loads((checkpoint / "state.json").read_text())
         started_ray = self._start_ray()
+        ray_address = ray.get_runtime_context().gcs_address
+        logger.info(
+            "%s Ray cluster at %s",
+            "started a local" if started_ray and not config.ray_address else "using the",
+            ray_address,
+        )
         actors: list[Any] = []
         storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         interrupted = False
@@ -367,6 +375,7 @@ class RLJob:
             interrupted=interrupted,
             final_eval=final_eval,
             rollout_counters=counters,
+            ray_address=ray_address,
         )
 
     def _watch(

@@ -76,9 +76,17 @@ class MetricsHub:
 
 def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
     if name == "wandb":
+        import os
+
         from levanter.tracker.wandb import WandbConfig
 
-        return WandbConfig(name=run_id or None).init(run_id or None)
+        os.environ.setdefault("WANDB_DIR", str(run_dir))  # wandb's local files stay with the run
+        return WandbConfig(
+            project=os.environ.get("WANDB_PROJECT", "marinrl"),
+            entity=os.environ.get("WANDB_ENTITY") or None,
+            name=run_id or None,
+            save_code=False,
+        ).init(run_id or None)  # the same run id resumes the same wandb run
     if name == "tensorboard":
         from levanter.tracker.tensorboard import TensorboardConfig
 

@@ -148,8 +148,8 @@ class CurriculumPolicy(Protocol):
     """Decides which lesson each rollout batch trains on, from eval and training stats.
 
     A lesson is *locked* until its dependencies reach their thresholds, then *active*, and
-    *graduated* once its eval reward reaches ``stop_threshold`` (or plateaus above its
-    ``start_threshold``). Graduated lessons are still evaluated but rarely sampled.
+    *graduated* once its eval reward reaches ``stop_threshold``. Graduated lessons are still
+    evaluated and sampled less (how much less is the policy's choice).
     """
 
     def sample_lesson(self, *, seed: int) -> str:

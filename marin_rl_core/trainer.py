@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from marin_rl_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from marin_rl_core.config import RLJobConfig
+from marin_rl_core.config import RLJobConfig, TrainerConfig
 from marin_rl_core.errors import MarinRLError
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
 from marin_rl_core.registry import Registry
@@ -50,19 +50,33 @@ def initial_model(config: RLJobConfig, tokenizer: Any) -> Any:
     return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed))
 
 
-def make_optimizer(config: RLJobConfig) -> Any:
+def make_schedule(t: TrainerConfig) -> Any:
+    """The learning rate against the optimizer step: linear warmup to ``learning_rate``, then
+    ``lr_schedule`` down to ``min_lr_ratio * learning_rate`` at ``num_train_steps``."""
     import optax
 
-    t = config.trainer
-    schedule = optax.linear_schedule(
-        init_value=t.learning_rate / max(t.warmup_steps, 1) if t.warmup_steps else t.learning_rate,
-        end_value=t.learning_rate,
-        transition_steps=max(t.warmup_steps, 1),
+    peak, warmup = t.learning_rate, max(t.warmup_steps, 0)
+    end = peak * (1.0 if t.lr_schedule == "constant" else t.min_lr_ratio)
+    decay_steps = max(t.num_train_steps - warmup, 1)
+    if t.lr_schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=t.min_lr_ratio)
+    else:  # linear, or constant (end == peak)
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules(
+        [optax.linear_schedule(peak / warmup, peak, warmup), decay], boundaries=[warmup]
     )
+
+
+def make_optimizer(t: TrainerConfig) -> Any:
+    """AdamW on :func:`make_schedule`, after global-norm clipping (if ``max_grad_norm > 0``)."""
+    import optax
+
     parts = []
     if t.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(t.max_grad_norm))
-    parts.append(optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=t.weight_decay))
+    parts.append(optax.adamw(make_schedule(t), b1=0.9, b2=0.99, weight_decay=t.weight_decay))
     return optax.chain(*parts)
 
 
@@ -156,7 +170,8 @@ class Trainer:
             # A real copy: the train step donates the policy's buffers.
             reference = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
         self.loss = loss.build(reference)
-        self.optimizer = make_optimizer(config)
+        self.optimizer = make_optimizer(config.trainer)
+        self._schedule = make_schedule(config.trainer)
         opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
@@ -301,6 +316,7 @@ class Trainer:
             metrics = self.train_one_step(rollouts, advantages)
             self.replay.set_current_step(self.step)
             metrics.update(
+                learning_rate=float(self._schedule(self.step - 1)),
                 reward=float(np.mean([r.reward for r in rollouts])),
                 frac_zero_variance_groups=zero_variance_fraction(rollouts),
                 wait_seconds=waited,

@@ -2,7 +2,8 @@
 
 Lesson states:
 
-* **locked** until every dependency's latest eval reward reaches that dependency's threshold;
+* **locked** until every dependency's latest eval reward reaches that dependency's threshold
+  (or the dependency graduates); once unlocked a lesson stays unlocked;
 * **active** once unlocked: sampled with weight ``min_weight + 4 r (1 - r)`` where ``r`` is an
   exponential moving average of the lesson's training reward. The weight peaks at ``r = 0.5``,
   the edge of competence, where a group's samples disagree most and RLOO's gradient is largest.
@@ -11,7 +12,9 @@ Lesson states:
   ``plateau_threshold`` over its last ``plateau_window`` evals has *plateaued* and its weight is
   scaled by ``plateau_factor``;
 * **graduated** once its eval reward reaches ``stop_threshold``: still evaluated, and still
-  sampled with ``graduated_weight`` so that it is not forgotten.
+  sampled with ``graduated_weight`` so that it is not forgotten. A graduated lesson whose eval
+  reward falls below ``stop_threshold - regression_margin`` (it is being forgotten while newer
+  lessons take the batches) is active again until it re-reaches ``stop_threshold``.
 
 All state is plain data (``state_dict``) and saved beside the trainer's checkpoints.
 """
@@ -33,13 +36,16 @@ class DefaultCurriculumConfig:
     ema_alpha: weight of the newest training batch in a lesson's reward average.
     min_weight: sampling weight of an active lesson at reward 0 or 1.
     graduated_weight: sampling weight of a graduated lesson.
+    regression_margin: a graduated lesson whose eval reward drops this far below its
+        ``stop_threshold`` becomes active again.
     below_start_factor: weight multiplier while eval reward < ``start_threshold``.
     plateau_factor: weight multiplier for a plateaued lesson.
     """
 
     ema_alpha: float = 0.3
     min_weight: float = 0.1
-    graduated_weight: float = 0.05
+    graduated_weight: float = 0.25
+    regression_margin: float = 0.1
     below_start_factor: float = 0.5
     plateau_factor: float = 0.5
 
@@ -55,6 +61,9 @@ class DefaultCurriculum:
         self._train_ema: dict[str, float | None] = {lid: None for lid in self.lessons}
         self._eval_history: dict[str, list[float]] = {lid: [] for lid in self.lessons}
         self._graduated: set[str] = set()
+        self._unlocked: set[str] = {
+            lid for lid, lesson in self.lessons.items() if not lesson.dependencies
+        }
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -62,7 +71,7 @@ class DefaultCurriculum:
         history = self._eval_history[lesson_id]
         return history[-1] if history else None
 
-    def _unlocked(self, lesson: LessonConfig) -> bool:
+    def _dependencies_met(self, lesson: LessonConfig) -> bool:
         for dep in lesson.dependencies:
             reward = self._latest_eval(dep.lesson)
             reached = dep.lesson in self._graduated or (
@@ -82,10 +91,10 @@ class DefaultCurriculum:
 
     def lesson_states(self) -> dict[str, str]:
         states = {}
-        for lid, lesson in self.lessons.items():
+        for lid in self.lessons:
             if lid in self._graduated:
                 states[lid] = "graduated"
-            elif self._unlocked(lesson):
+            elif lid in self._unlocked:
                 states[lid] = "active"
             else:
                 states[lid] = "locked"
@@ -124,9 +133,16 @@ class DefaultCurriculum:
         return str(ids[rng.choice(len(ids), p=np.asarray([weights[i] for i in ids]))])
 
     def update_eval(self, stats: LessonStats) -> None:
-        self._eval_history[stats.lesson_id].append(float(stats.mean_reward))
-        if stats.mean_reward >= self.lessons[stats.lesson_id].stop_threshold:
-            self._graduated.add(stats.lesson_id)
+        lid, reward = stats.lesson_id, float(stats.mean_reward)
+        self._eval_history[lid].append(reward)
+        stop = self.lessons[lid].stop_threshold
+        if reward >= stop:
+            self._graduated.add(lid)
+        elif lid in self._graduated and reward < stop - self.config.regression_margin:
+            self._graduated.discard(lid)
+        for other, lesson in self.lessons.items():
+            if other not in self._unlocked and self._dependencies_met(lesson):
+                self._unlocked.add(other)
 
     def update_training(self, stats: LessonStats) -> None:
         prev = self._train_ema[stats.lesson_id]
@@ -140,6 +156,7 @@ class DefaultCurriculum:
             "train_ema": dict(self._train_ema),
             "eval_history": {k: list(v) for k, v in self._eval_history.items()},
             "graduated": sorted(self._graduated),
+            "unlocked": sorted(self._unlocked),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -150,6 +167,10 @@ class DefaultCurriculum:
         for k, v in state.get("eval_history", {}).items():
             self._eval_history[k] = [float(x) for x in v]
         self._graduated = set(state.get("graduated", []))
+        self._unlocked |= set(state.get("unlocked", [])) | self._graduated
+        for lid, lesson in self.lessons.items():  # states saved before "unlocked" was recorded
+            if self._dependencies_met(lesson):
+                self._unlocked.add(lid)
 
 
 @hookimpl

@@ -56,6 +56,7 @@ from marin_rl_core import (
     Problem,
     SamplingParams,
     hookimpl,
+    one_of,
 )
 
 ARITHMETIC_TASKS: dict[str, tuple[str, list[tuple[int, int]]]] = {
@@ -69,16 +70,6 @@ TASKS = (*ARITHMETIC_TASKS, "file")
 COMMUTATIVE_OPS = ("+", "*")
 SPLITS = ("swap", "hash")
 _LEADING_NUMBER = re.compile(r"-?[0-9]+")
-
-
-def _check_task(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    if value not in TASKS:
-        raise ValueError(f"unknown math task {value!r}; choose one of {', '.join(TASKS)}")
-
-
-def _check_split(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    if value not in SPLITS:
-        raise ValueError(f"unknown split {value!r}; choose one of {', '.join(SPLITS)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -99,11 +90,11 @@ class MathEnvConfig:
         match too. Eval problems are always graded by exact match.
     """
 
-    task: str = attrs.field(default="add_1digit", validator=_check_task)
+    task: str = attrs.field(default="add_1digit", validator=one_of(*TASKS))
     eval_fraction: float = attrs.field(
         default=0.3, validator=[attrs.validators.gt(0.0), attrs.validators.lt(1.0)]
     )
-    split: str = attrs.field(default="swap", validator=_check_split)
+    split: str = attrs.field(default="swap", validator=one_of(*SPLITS))
     split_seed: int = 0
     data_path: str = ""
     eval_data_path: str = ""

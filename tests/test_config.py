@@ -79,6 +79,17 @@ def test_mistyped_value_names_the_path_and_expected_type(cli, tmp_path):
     assert "$.trainer.batch_size" in result.output and "expected an integer" in result.output
 
 
+def test_a_value_outside_its_choices_is_reported_at_the_field(cli):
+    result = cli("config", "show", "--set", 'trainer.lr_schedule="cosin"', "--set", 'env.split="swp"')
+    assert result.exit_code == ExitCode.CONFIG
+    assert (
+        "unknown lr_schedule 'cosin'; choose one of cosine, linear, constant @ $.trainer.lr_schedule"
+        in result.output
+    )
+    assert "unknown split 'swp'; choose one of swap, hash @ $.env.split" in result.output
+    assert "expected None" not in result.output
+
+
 def test_bad_set_override_names_its_path(cli):
     result = cli("config", "show", "--set", "trainer.batch_sise=3")
     assert result.exit_code == ExitCode.CONFIG

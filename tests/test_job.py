@@ -1,9 +1,18 @@
 """The whole Ray job, for a few steps on the mock env: rollouts flow, weights sync, every rollout
-carries its metadata, stale rollouts are dropped, and a second run resumes from the checkpoint."""
+carries its metadata, stale rollouts are dropped, and a second run resumes from the checkpoint.
+
+The job runs on a Ray cluster started beforehand with ``ray start --head`` and is given its
+address (``ray_address``, the CLI's ``--ray-address``), as on a real cluster."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,26 +34,86 @@ SMALL = [
 ]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def ray_session():
+def ray_cluster():
+    """A separately started single-node Ray cluster; yields its address. ``--block`` keeps
+    ``ray start`` in the foreground, in its own process group, so that the teardown stops
+    exactly this cluster. (Token auth is off: it is a loopback test cluster.)"""
+    port = free_port()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
+
+    def stop() -> None:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=20)
+
+    address = f"127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        status = subprocess.run(
+            [ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=env
+        )
+        if status.returncode == 0:
+            break
+        if head.poll() is not None or time.time() > deadline:
+            stop()
+            pytest.fail(f"the Ray head at {address} did not come up:\n{status.stderr[-2000:]}")
+        time.sleep(1)
+    yield address
+    stop()
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_cluster, tmp_path_factory):
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def first_run(ray_session, tmp_path_factory):
+    assert not ray.is_initialized()
     registry = build_registry()
     run_dir = tmp_path_factory.mktemp("runs")
     config = resolve_config(
         registry,
         selections={"env": "mock"},
-        overrides=[*SMALL, f'run_dir="{run_dir}"', 'run_id="job"', "trainer.num_train_steps=4"],
+        overrides=[
+            *SMALL,
+            f'run_dir="{run_dir}"',
+            'run_id="job"',
+            "trainer.num_train_steps=4",
+            f'ray_address="{ray_cluster}"',
+        ],
     )
     result = RLJob(config, registry).run(progress=False)
     return result, registry, run_dir
+
+
+def test_the_job_ran_on_the_cluster_it_was_given(first_run, ray_cluster):
+    result, _, _ = first_run
+    assert result.ray_address.endswith(":" + ray_cluster.rsplit(":", 1)[1])
 
 
 def test_rollouts_flow_and_weights_sync(first_run):

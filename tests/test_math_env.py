@@ -123,7 +123,7 @@ def test_file_problems_report_bad_fields_and_formats(tmp_path):
         MathEnv(MathEnvConfig(task="file", data_path=str(path)))
     with pytest.raises(ValueError, match="needs data_path"):
         MathEnvConfig(task="file")
-    with pytest.raises(ValueError, match="unknown math task 'add'"):
+    with pytest.raises(ValueError, match="unknown task 'add'"):
         MathEnvConfig(task="add")
     csv = tmp_path / "p.csv"
     csv.write_text("question,answer\n")

@@ -1,0 +1,64 @@
+"""Metric rows reach metrics.jsonl and, when configured, tensorboard and wandb (offline)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.errors import ConfigError
+from marin_rl_core.metrics import MetricsHub, read_metrics
+
+
+def tensorboard_scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the event files under ``logdir``, read back from the TFRecord frames."""
+    from tensorboardX.proto import event_pb2
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for path in sorted(logdir.rglob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        pos = 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            record = data[pos + 12 : pos + 12 + length]  # length, its crc, record, record crc
+            pos += 12 + length + 4
+            event = event_pb2.Event.FromString(record)
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_rows_go_to_jsonl_and_tensorboard(tmp_path):
+    hub = MetricsHub(str(tmp_path), trackers=("jsonl", "tensorboard"), run_id="r1")
+    hub.log({"reward": 0.25, "loss": 1.5}, step=1, source="train")
+    hub.log({"eval/add_1digit/reward": 0.8}, step=2, source="eval")
+    assert hub.latest()["eval/add_1digit/reward"] == 0.8 and hub.latest()["train_step"] == 1
+    hub.close()
+    rows = read_metrics(tmp_path)
+    assert [(r["step"], r["source"]) for r in rows] == [(1, "train"), (2, "eval")]
+    scalars = tensorboard_scalars(tmp_path / "tensorboard" / "r1")
+    assert scalars["reward"] == [(1, 0.25)]
+    assert scalars["loss"] == [(1, 1.5)]
+    assert scalars["eval/add_1digit/reward"] == [(2, pytest.approx(0.8))]
+
+
+def test_rows_go_to_an_offline_wandb_run_under_the_run_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    hub = MetricsHub(str(tmp_path), trackers=("wandb",), run_id="wandb-test-run")
+    hub.log({"reward": 0.125, "frac_zero_variance_groups": 0.5}, step=3, source="train")
+    hub.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*-wandb-test-run/run-wandb-test-run.wandb"))
+    assert len(runs) == 1, list(tmp_path.rglob("*"))
+    data = runs[0].read_bytes()
+    # The run's record log holds the logged keys and values (wandb has no offline reader).
+    assert b"frac_zero_variance_groups" in data and b"0.125" in data
+
+
+def test_unknown_tracker_is_a_config_error_at_its_path():
+    with pytest.raises(ConfigError, match=r"unknown tracker 'tensorbord'.*@ \$\.logging\.tracker"):
+        resolve_config(build_registry(), overrides=['logging.tracker=["jsonl", "tensorbord"]'])
