@@ -31,7 +31,8 @@ class Env(Protocol):
 
     def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
         """Return ``n`` problems. ``mode="eval"`` draws from a held-out split that training
-        never sees; the same ``seed`` gives the same problems."""
+        never sees; an env whose held-out split has fewer than ``n`` problems may return all of
+        them, each once, instead. The same ``seed`` gives the same problems."""
         ...
 
     def score(self, problem: Problem, response: str) -> float:

@@ -231,11 +231,14 @@ class MathEnv:
             raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}") from None
 
     def sample_problems(self, n: int, *, mode: str, seed: int) -> list[Problem]:
-        """``n`` problems of the split, drawn without replacement in a seeded order and cycling
-        (each problem comes up once before any comes up twice)."""
+        """``n`` problems of the split, drawn without replacement in a seeded order. Training
+        cycles (each problem comes up once before any comes up twice); eval returns each held-out
+        problem at most once, so asking for more than the split holds scores all of it."""
         if mode not in self._splits:
             raise ValueError(f"mode must be 'train' or 'eval', got {mode!r}")
         pool = self._splits[mode]
+        if mode == "eval":
+            n = min(n, len(pool))
         rng = np.random.default_rng([seed, 0 if mode == "train" else 1])
         out: list[Problem] = []
         while len(out) < n:

@@ -28,6 +28,8 @@ SMALL = [
     "sampling.n_generations_per_prompt=8",
     "eval.frequency=2",
     "eval.n_examples=8",
+    "eval.micro_frequency=2",
+    "eval.micro_n_examples=4",
     "trainer.checkpoint_interval_steps=2",
     # Only on-policy rollouts: anything sampled with older weights than the trainer's is dropped.
     "replay_buffer.max_rollout_step_delay=0",
@@ -155,6 +157,15 @@ def test_held_out_eval_runs_at_start_and_on_the_final_weights(first_run):
     assert steps[0] == 0 and steps[-1] == 4
     assert all(r["eval/mock/n"] == 8 for r in evals)
     assert "eval/mock/reward" in result.final_eval
+
+
+def test_micro_evals_score_the_lesson_being_sampled(first_run):
+    result, _, _ = first_run
+    rows = [r for r in read_metrics(result.run_dir) if "micro_eval/mock/reward" in r]
+    assert rows, "eval.micro_frequency=2 logged no micro-eval"
+    assert all(0.0 <= r["micro_eval/mock/reward"] <= 1.0 for r in rows)
+    batches = [r for r in read_metrics(result.run_dir) if "rollout/lesson" in r]
+    assert len(rows) <= len(batches) // 2  # one before every 2nd batch, not before the first
 
 
 def test_a_second_run_resumes_from_the_checkpoint(first_run):

@@ -61,7 +61,10 @@ def test_sampling_is_seeded_and_covers_the_split_before_repeating(env):
     assert [p.id for p in a] == [p.id for p in env.sample_problems(70, mode="train", seed=3)]
     assert [p.id for p in a] != [p.id for p in env.sample_problems(70, mode="train", seed=4)]
     assert len({p.id for p in a}) == 70
-    assert len(env.sample_problems(100, mode="eval", seed=0)) == 100
+    assert len(env.sample_problems(100, mode="train", seed=0)) == 100  # training cycles
+    # eval scores each held-out problem once, however many are asked for
+    held_out = env.sample_problems(100, mode="eval", seed=0)
+    assert sorted(p.id for p in held_out) == sorted(p.id for p in env.problems("eval"))
     with pytest.raises(ValueError, match="mode must be"):
         env.sample_problems(1, mode="test", seed=0)
 
