@@ -100,6 +100,10 @@ class ReplayBufferConfig:
         recency_alpha: sampling weight grows as ``(1 + rank_from_oldest) ** alpha``; 0 samples
             uniformly.
         max_samples_per_rollout: how many training batches may use one rollout.
+        uninformative_group_weight: sampling weight multiplier of a group whose advantages are
+            all zero (every sample got the same reward, so it carries no policy gradient); 0
+            fills a batch with such groups only when informative ones run out (dynamic
+            sampling, as in DAPO). 1 treats all groups alike.
     """
 
     capacity: int = 4096
@@ -107,6 +111,7 @@ class ReplayBufferConfig:
     max_rollout_timestamp_delay: float = 3600.0
     recency_alpha: float = 3.0
     max_samples_per_rollout: int = 1
+    uninformative_group_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
 
 @attrs.frozen(kw_only=True)

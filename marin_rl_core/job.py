@@ -287,7 +287,14 @@ class RLJob:
         if self.config.ray_address:
             ray.init(address=self.config.ray_address, log_to_driver=False)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False, num_cpus=os.cpu_count() or 2)
+            # address="local": a new instance even where `ray start` left a cluster address
+            # behind (plain ray.init() would try to join that one).
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=os.cpu_count() or 2,
+            )
         return True
 
     def run(self, *, progress: bool = True) -> JobResult:

@@ -13,7 +13,10 @@ delay turns its rule off. Beyond ``capacity`` the oldest rollouts are evicted.
 
 :meth:`ReplayBuffer.sample` draws whole groups where it can, newer groups more often (group
 weight ``(1 + rank_from_oldest) ** recency_alpha``), and returns exactly ``n`` rollouts or
-``None``. A rollout leaves the buffer once ``max_samples_per_rollout`` batches have used it.
+``None``. A group whose advantages are all zero carries no policy gradient: its weight is
+multiplied by ``uninformative_group_weight``, and at 0 such groups only fill what informative
+groups leave of a batch. A rollout leaves the buffer once ``max_samples_per_rollout`` batches
+have used it.
 
 Thread-safe: the trainer may ingest on one thread and sample on another.
 """
@@ -237,7 +240,10 @@ class ReplayBuffer:
             for i, entry in enumerate(self._entries):  # oldest group first
                 groups.setdefault(entry.group, []).append(i)
             members = list(groups.values())
-            order = self._recency_order(len(members))
+            informative = np.asarray(
+                [any(self._entries[i].advantage != 0.0 for i in m) for m in members]
+            )
+            order = self._sampling_order(informative)
 
             chosen: list[int] = []
             skipped: list[list[int]] = []
@@ -266,11 +272,19 @@ class ReplayBuffer:
             self._entries = [e for e in self._entries if e.uses < limit]
             return rollouts, advantages
 
-    def _recency_order(self, num_groups: int) -> np.ndarray:
+    def _sampling_order(self, informative: np.ndarray) -> np.ndarray:
         """Group indices (0 = oldest) in a random order where group ``k`` comes early with
-        weight ``(1 + k) ** alpha``: Gumbel-top-k, i.e. weighted sampling without replacement."""
-        log_weights = self.config.recency_alpha * np.log1p(np.arange(num_groups))
-        keys = log_weights + self._rng.gumbel(size=num_groups)
+        weight ``(1 + k) ** alpha``, times ``uninformative_group_weight`` for a group that is not
+        ``informative``: Gumbel-top-k, i.e. weighted sampling without replacement. A weight of 0
+        puts the uninformative groups after every informative one, still newest-first."""
+        num_groups = informative.shape[0]
+        keys = self.config.recency_alpha * np.log1p(np.arange(num_groups))
+        keys = keys + self._rng.gumbel(size=num_groups)
+        weight = self.config.uninformative_group_weight
+        if weight == 0.0:
+            return np.lexsort((-keys, ~informative))  # informative first, then by key
+        if weight != 1.0:
+            keys = keys + np.where(informative, 0.0, math.log(weight))
         return np.argsort(-keys, kind="stable")
 
     # --- metrics -------------------------------------------------------------------------------

@@ -168,14 +168,16 @@ def test_micro_evals_score_the_lesson_being_sampled(first_run):
     assert len(rows) <= len(batches) // 2  # one before every 2nd batch, not before the first
 
 
-def test_a_second_run_resumes_from_the_checkpoint(first_run):
+def test_a_second_run_resumes_from_the_checkpoint(first_run, ray_cluster):
     result, registry, run_dir = first_run
     config = resolve_config(
         registry,
         files=[result.run_dir / "config.toml"],
-        overrides=["trainer.num_train_steps=6"],
+        # No address: a local Ray of its own, although `ray start` left a cluster running.
+        overrides=["trainer.num_train_steps=6", 'ray_address=""'],
     )
     again = RLJob(config, registry).run(progress=False)
+    assert again.ray_address and again.ray_address != result.ray_address
     assert again.run_dir == result.run_dir
     train = [r for r in read_metrics(again.run_dir) if r["source"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # 5 and 6 come from the resumed run

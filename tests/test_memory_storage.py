@@ -25,7 +25,7 @@ def ray_cluster():
 
     # Ray workers cannot import this test module by name: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
