@@ -73,7 +73,9 @@ def test_state_survives_a_json_round_trip(policy):
     policy.update_training(stats("hard", 0.3))
     restored = DefaultCurriculum(DefaultCurriculumConfig(), lessons())
     restored.load_state_dict(json.loads(json.dumps(policy.state_dict())))
-    assert restored.lesson_states() == policy.lesson_states() == {"easy": "active", "hard": "active"}
+    assert (
+        restored.lesson_states() == policy.lesson_states() == {"easy": "active", "hard": "active"}
+    )
     assert restored.sampling_weights() == pytest.approx(policy.sampling_weights())
 
 
