@@ -28,6 +28,13 @@ def slow(session: nox.Session) -> None:
     session.run("pytest", "-m", "slow", *session.posargs)
 
 
+@nox.session(python=PYTHON, default=False)
+def cluster(session: nox.Session) -> None:
+    """Run the jobs on a separately started Ray cluster (`ray start --head`, `--ray-address`)."""
+    _install(session, "test")
+    session.run("pytest", "-m", "cluster", *session.posargs)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """Check style with ruff."""

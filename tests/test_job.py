@@ -1,18 +1,10 @@
 """The whole Ray job, for a few steps on the mock env: rollouts flow, weights sync, every rollout
 carries its metadata, stale rollouts are dropped, and a second run resumes from the checkpoint.
-
-The job runs on a Ray cluster started beforehand with ``ray start --head`` and is given its
-address (``ray_address``, the CLI's ``--ray-address``), as on a real cluster."""
+(tests/test_ray_cluster.py runs the job on a separately started cluster.)"""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -36,66 +28,17 @@ SMALL = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def ray_cluster():
-    """A separately started single-node Ray cluster; yields its address. ``--block`` keeps
-    ``ray start`` in the foreground, in its own process group, so that the teardown stops
-    exactly this cluster. (Token auth is off: it is a loopback test cluster.)"""
-    port = free_port()
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
-
-    def stop() -> None:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=20)
-
-    address = f"127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        status = subprocess.run(
-            [ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=env
-        )
-        if status.returncode == 0:
-            break
-        if head.poll() is not None or time.time() > deadline:
-            stop()
-            pytest.fail(f"the Ray head at {address} did not come up:\n{status.stderr[-2000:]}")
-        time.sleep(1)
-    yield address
-    stop()
-
-
-@pytest.fixture(scope="module")
-def first_run(ray_cluster, tmp_path_factory):
+def ray_session():
     import ray
 
-    assert not ray.is_initialized()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def first_run(ray_session, tmp_path_factory):
     registry = build_registry()
     run_dir = tmp_path_factory.mktemp("runs")
     config = resolve_config(
@@ -106,16 +49,10 @@ def first_run(ray_cluster, tmp_path_factory):
             f'run_dir="{run_dir}"',
             'run_id="job"',
             "trainer.num_train_steps=4",
-            f'ray_address="{ray_cluster}"',
         ],
     )
     result = RLJob(config, registry).run(progress=False)
     return result, registry, run_dir
-
-
-def test_the_job_ran_on_the_cluster_it_was_given(first_run, ray_cluster):
-    result, _, _ = first_run
-    assert result.ray_address.endswith(":" + ray_cluster.rsplit(":", 1)[1])
 
 
 def test_rollouts_flow_and_weights_sync(first_run):
@@ -168,16 +105,14 @@ def test_micro_evals_score_the_lesson_being_sampled(first_run):
     assert len(rows) <= len(batches) // 2  # one before every 2nd batch, not before the first
 
 
-def test_a_second_run_resumes_from_the_checkpoint(first_run, ray_cluster):
+def test_a_second_run_resumes_from_the_checkpoint(first_run):
     result, registry, run_dir = first_run
     config = resolve_config(
         registry,
         files=[result.run_dir / "config.toml"],
-        # No address: a local Ray of its own, although `ray start` left a cluster running.
-        overrides=["trainer.num_train_steps=6", 'ray_address=""'],
+        overrides=["trainer.num_train_steps=6"],
     )
     again = RLJob(config, registry).run(progress=False)
-    assert again.ray_address and again.ray_address != result.ray_address
     assert again.run_dir == result.run_dir
     train = [r for r in read_metrics(again.run_dir) if r["source"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # 5 and 6 come from the resumed run

@@ -1,0 +1,141 @@
+"""`marinrl run --ray-address` on a cluster started beforehand with `ray start --head`, and a
+job without an address starting its own Ray even while that cluster runs. Both jobs run as
+subprocesses of the CLI, as a user runs them, so no Ray state of this test process is involved."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+# Opt-in (`nox -s cluster`): run alone it passes; after test_faults and test_job in the same
+# pytest session the separately started head died seconds after starting (its dashboard agent
+# got SIGTERM), even with its own --temp-dir. Not understood yet: see docs/development.md.
+pytestmark = pytest.mark.cluster
+
+JOB = [
+    "run",
+    "--env",
+    "mock",
+    "--set",
+    "trainer.batch_size=32",
+    "--set",
+    "sampling.n_prompts=4",
+    "--set",
+    "eval.n_examples=8",
+    "--set",
+    "eval.frequency=100",
+    "--set",
+    "trainer.num_train_steps=2",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A separately started single-node Ray cluster; yields its address. ``--block`` keeps
+    ``ray start`` in the foreground, in its own process group, so that the teardown stops
+    exactly this cluster. (Token auth is off: it is a loopback test cluster.)"""
+    port = free_port()
+    # Its own temp dir: other Ray instances of this test session (test_faults, test_job) share
+    # /tmp/ray, and the cluster's head died a few seconds after starting when it shared it.
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    head = subprocess.Popen(
+        [
+            ray_bin,
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=2",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
+
+    def stop() -> None:
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=20)
+
+    address = f"127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        status = subprocess.run(
+            [ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=env
+        )
+        if status.returncode == 0:
+            break
+        if head.poll() is not None or time.time() > deadline:
+            stop()
+            pytest.fail(f"the Ray head at {address} did not come up:\n{status.stderr[-2000:]}")
+        time.sleep(1)
+    yield address
+    stop()
+
+
+def run_job(tmp_path: Path, run_id: str, *extra: str) -> tuple[str, Path]:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "marin_rl_core",
+            *JOB,
+            "--set",
+            f'run_dir="{tmp_path}"',
+            "--run-id",
+            run_id,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / run_id
+    return (run_dir / "driver.log").read_text(), run_dir
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows if r["source"] == "train"]
+
+
+def test_ray_address_runs_the_job_on_that_cluster(ray_cluster, tmp_path):
+    log, run_dir = run_job(tmp_path, "on-cluster", "--ray-address", ray_cluster)
+    port = ray_cluster.rsplit(":", 1)[1]
+    assert "using the Ray cluster at" in log and f":{port}" in log, log
+    assert trained_steps(run_dir) == [1, 2]
+
+
+def test_without_an_address_the_job_starts_its_own_ray_beside_a_running_cluster(
+    ray_cluster, tmp_path
+):
+    # `ray start` recorded the cluster's address; a plain ray.init() would join that cluster.
+    log, run_dir = run_job(tmp_path, "local")
+    port = ray_cluster.rsplit(":", 1)[1]
+    assert "started a local Ray cluster at" in log and f":{port}" not in log, log
+    assert trained_steps(run_dir) == [1, 2]
