@@ -18,20 +18,14 @@ returns one.
 from __future__ import annotations
 
 import hashlib
-from typing import Any
 
 import attrs
 import numpy as np
 
-from marin_rl_core import EnvPlugin, Problem, hookimpl
+from marin_rl_core import EnvPlugin, Problem, hookimpl, one_of
 
 WORDS = ("cat", "dog", "fox", "owl", "bee", "ant", "cow", "pig", "hen", "yak")
 TASKS = ("count", "sort", "reverse", "copy", "max")
-
-
-def _check_task(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    if value not in TASKS:
-        raise ValueError(f"unknown mock task {value!r}; choose one of {', '.join(TASKS)}")
 
 
 @attrs.frozen(kw_only=True)
@@ -44,7 +38,7 @@ class MockEnvConfig:
     eval_fraction: the share of problems held out for eval.
     """
 
-    task: str = attrs.field(default="count", validator=_check_task)
+    task: str = attrs.field(default="count", validator=one_of(*TASKS))
     min_items: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     max_items: int = attrs.field(default=4, validator=attrs.validators.ge(1))
     max_value: int = attrs.field(
