@@ -47,7 +47,7 @@ class ModelConfig:
     checkpoint: str = ""
     hidden_dim: int = 64
     intermediate_dim: int = 256
-    num_layers: int = 2
+    num_layers: int = 1
     num_heads: int = 4
     num_kv_heads: int = 4
     max_seq_len: int = 16
@@ -82,7 +82,7 @@ class TrainerConfig:
     warmup_steps: int = 5
     lr_schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "linear", "constant"))
     min_lr_ratio: float = attrs.field(default=0.1, validator=_check_min_lr_ratio)
-    weight_decay: float = 0.0
+    weight_decay: float = 0.5
     max_grad_norm: float = 1.0
     sync_interval_steps: int = 1
     checkpoint_interval_steps: int = 250
