@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
+    import equinox as eqx
     import haliax as hax
     import jax
     import jax.numpy as jnp
@@ -93,8 +94,6 @@ def main() -> None:
     optimizer = make_optimizer(config.trainer)
 
     def timed(step_fn) -> list[float]:
-        import equinox as eqx
-
         m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
         opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
         key = jax.random.PRNGKey(0)
@@ -117,9 +116,14 @@ def main() -> None:
             out.append(time.perf_counter() - start)
         return out
 
+    # As the trainer does: a frozen copy of the initial model when the loss asks for one.
     loss_record = registry.get("loss", config.loss.name)
-    rl_loss = loss_record.build(config.loss.config).build(None)
-    rl_step = make_train_step(rl_loss.create_loss_fn(None, model), optimizer)
+    loss_module = loss_record.build(config.loss.config)
+    reference = None
+    if loss_module.needs_reference_model:
+        reference = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
+    rl_loss = loss_module.build(reference)
+    rl_step = make_train_step(rl_loss.create_loss_fn(reference, model), optimizer)
     ce_step = make_train_step(ce_loss, optimizer)
 
     # Interleave the two so drift on a shared machine hits both alike.
@@ -136,10 +140,14 @@ def main() -> None:
     print(f"cross-entropy step      {ce * 1e3:8.2f} ms (median of {len(ce_times)})")
     print(f"RL step                 {rl * 1e3:8.2f} ms (median of {len(rl_times)})")
     print(f"reference forward       {fwd * 1e3:8.2f} ms")
-    print(f"RL / CE                 {rl / ce:8.2f}x   (target <= 1.30x)")
-    print(
-        f"RL / (CE + ref forward) {rl / (ce + fwd):8.2f}x   (the budget when a KL term needs the reference)"
-    )
+    if reference is None:
+        print(f"RL / CE                 {rl / ce:8.2f}x   (target <= 1.30x)")
+    else:
+        print(f"RL / CE                 {rl / ce:8.2f}x")
+        print(
+            f"(RL - ref forward) / CE {(rl - fwd) / ce:8.2f}x   "
+            "(target <= 1.30x: the loss needs one reference forward)"
+        )
     tps = sum(gen_tokens) / sum(gen_times)
     print(
         f"rollout generation      {tps:8.0f} generated tokens/s "
