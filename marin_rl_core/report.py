@@ -13,6 +13,7 @@ from typing import Any
 from marin_rl_core.metrics import read_metrics
 
 PLOT_FILE = "reward_curve.png"
+SMOOTHING_STEPS = 50
 
 
 def _series(rows: list[dict[str, Any]], source: str, key: str) -> tuple[list[int], list[float]]:
@@ -23,6 +24,17 @@ def _series(rows: list[dict[str, Any]], source: str, key: str) -> tuple[list[int
             steps.append(int(row["step"]))
             values.append(float(value))
     return steps, values
+
+
+def _running_mean(values: list[float], window: int) -> list[float]:
+    """The mean of the last ``window`` values at each point (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def eval_lessons(rows: list[dict[str, Any]]) -> list[str]:
@@ -45,10 +57,20 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
 
     rows = read_metrics(run_dir)
     out = Path(out) if out else Path(run_dir) / PLOT_FILE
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
     steps, values = _series(rows, "train", "reward")
     if steps:
-        ax.plot(steps, values, color="0.6", linewidth=1, label="train reward (batch mean)")
+        # Batches of different lessons have very different rewards: the raw line is faint, the
+        # running mean is what the eye should follow.
+        ax.plot(steps, values, color="0.75", linewidth=0.6, label="train reward (batch mean)")
+        window = min(SMOOTHING_STEPS, len(values))
+        ax.plot(
+            steps,
+            _running_mean(values, window),
+            color="0.25",
+            linewidth=1.5,
+            label=f"train reward ({window}-step mean)",
+        )
     for lesson in eval_lessons(rows):
         s, v = _series(rows, "eval", f"eval/{lesson}/reward")
         ax.plot(s, v, marker="o", markersize=3, linewidth=1.5, label=f"eval: {lesson}")
@@ -57,7 +79,8 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title(f"{Path(run_dir).name}: reward")
-    ax.legend(loc="lower right", fontsize=8)
+    # Outside the axes: inside, it always covers some curve.
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
