@@ -30,7 +30,8 @@ def slow(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def cluster(session: nox.Session) -> None:
-    """Run the jobs on a separately started Ray cluster (`ray start --head`, `--ray-address`)."""
+    """Only the tests on a separately started Ray cluster (`ray start --head`, `--ray-address`);
+    they are in the default `tests` run too."""
     _install(session, "test")
     session.run("pytest", "-m", "cluster", *session.posargs)
 

@@ -24,13 +24,17 @@ from pathlib import Path
 from typing import Any
 
 
-def summarize(run_dir: Path, *, seed: int, wall: float, args: argparse.Namespace) -> dict[str, Any]:
-    """The bar's figures for one finished run."""
+def summarize(
+    run_dir: Path, *, seed: int, wall: float | None, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The bar's figures for one finished run; ``wall=None`` takes the span of its metrics."""
     from marin_rl_core.metrics import read_metrics
 
     key = f"eval/{args.lesson}/reward"
     rows = read_metrics(run_dir)
     t0 = rows[0]["time"]
+    if wall is None:
+        wall = rows[-1]["time"] - t0
     curve = [
         (r["step"], r["time"] - t0, r[key]) for r in rows if r["source"] == "eval" and key in r
     ]
@@ -63,12 +67,9 @@ def main() -> None:
 
     results = []
     if args.runs:
-        from marin_rl_core.metrics import read_metrics
-
         for run in map(Path, args.runs):
             seed = int(tomllib.loads((run / "config.toml").read_text()).get("seed", 0))
-            rows = read_metrics(run)
-            result = summarize(run, seed=seed, wall=rows[-1]["time"] - rows[0]["time"], args=args)
+            result = summarize(run, seed=seed, wall=None, args=args)
             results.append(result)
             print(json.dumps(result), flush=True)
     else:

@@ -56,3 +56,21 @@ def cli() -> Callable[..., object]:
         return runner.invoke(app, list(args), catch_exceptions=False)
 
     return invoke
+
+
+@pytest.fixture
+def tiny_mock_job() -> list[str]:
+    """``marinrl run`` arguments of the smallest job the CLI tests run: the mock env, batches of
+    32, eval only at the start and the end (append ``--set``/``--run-id`` as needed)."""
+    return [
+        "--env",
+        "mock",
+        "--set",
+        "trainer.batch_size=32",
+        "--set",
+        "sampling.n_prompts=4",
+        "--set",
+        "eval.n_examples=8",
+        "--set",
+        "eval.frequency=100",
+    ]

@@ -73,24 +73,10 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     assert stats.n_rollouts == 5
 
 
-JOB = [
-    "--env",
-    "mock",
-    "--set",
-    "trainer.batch_size=32",
-    "--set",
-    "sampling.n_prompts=4",
-    "--set",
-    "eval.n_examples=8",
-    "--set",
-    "eval.frequency=100",
-]
-
-
-def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_path):
+def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_path, tiny_mock_job):
     result = cli(
         "run",
-        *JOB,
+        *tiny_mock_job,
         "--set",
         f'run_dir="{tmp_path}"',
         "--run-id",
@@ -120,7 +106,7 @@ def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_p
     assert f"(step {step})" in result.output
 
 
-def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path):
+def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_mock_job):
     run_dir = tmp_path / "interrupt"
     proc = subprocess.Popen(
         [
@@ -128,7 +114,7 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path):
             "-m",
             "marin_rl_core",
             "run",
-            *JOB,
+            *tiny_mock_job,
             "--set",
             f'run_dir="{tmp_path}"',
             "--run-id",

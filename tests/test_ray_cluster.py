@@ -4,6 +4,7 @@ subprocesses of the CLI, as a user runs them, so no Ray state of this test proce
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,22 +27,6 @@ pytestmark = pytest.mark.cluster
 # session (test_job) sets RAY_AUTH_MODE=token in os.environ, and a driver in token mode could
 # not create actors on this cluster.
 CLUSTER_ENV = dict(os.environ, RAY_AUTH_MODE="disabled")
-
-JOB = [
-    "run",
-    "--env",
-    "mock",
-    "--set",
-    "trainer.batch_size=32",
-    "--set",
-    "sampling.n_prompts=4",
-    "--set",
-    "eval.n_examples=8",
-    "--set",
-    "eval.frequency=100",
-    "--set",
-    "trainer.num_train_steps=2",
-]
 
 
 def free_port() -> int:
@@ -102,13 +88,22 @@ def ray_cluster():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def run_job(tmp_path: Path, run_id: str, *extra: str) -> tuple[str, Path]:
+@pytest.fixture
+def run_job(tiny_mock_job: list[str]) -> Callable[..., tuple[str, Path]]:
+    """``run_job(tmp_path, run_id, *extra)`` runs a two-step mock job through the CLI in a
+    subprocess and returns its driver log and run directory."""
+    return functools.partial(
+        _run_job, ["run", *tiny_mock_job, "--set", "trainer.num_train_steps=2"]
+    )
+
+
+def _run_job(job: list[str], tmp_path: Path, run_id: str, *extra: str) -> tuple[str, Path]:
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
             "marin_rl_core",
-            *JOB,
+            *job,
             "--set",
             f'run_dir="{tmp_path}"',
             "--run-id",
@@ -130,7 +125,7 @@ def trained_steps(run_dir: Path) -> list[int]:
     return [r["step"] for r in rows if r["source"] == "train"]
 
 
-def test_ray_address_runs_the_job_on_that_cluster(ray_cluster, tmp_path):
+def test_ray_address_runs_the_job_on_that_cluster(ray_cluster, run_job, tmp_path):
     log, run_dir = run_job(tmp_path, "on-cluster", "--ray-address", ray_cluster)
     port = ray_cluster.rsplit(":", 1)[1]
     assert "using the Ray cluster at" in log and f":{port}" in log, log
@@ -138,7 +133,7 @@ def test_ray_address_runs_the_job_on_that_cluster(ray_cluster, tmp_path):
 
 
 def test_without_an_address_the_job_starts_its_own_ray_beside_a_running_cluster(
-    ray_cluster, tmp_path
+    ray_cluster, run_job, tmp_path
 ):
     # `ray start` recorded the cluster's address; a plain ray.init() would join that cluster.
     log, run_dir = run_job(tmp_path, "local")

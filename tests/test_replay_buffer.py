@@ -200,21 +200,21 @@ def test_recency_weighting_prefers_newer_groups():
 
 def test_groups_without_a_gradient_only_fill_what_informative_groups_leave():
     """Dynamic sampling: a group whose rewards are all equal has all-zero advantages."""
-    def mixed(seed_weight):
-        buffer = make_buffer(seed=seed_weight[0], uninformative_group_weight=seed_weight[1])
+    def mixed(seed, weight):
+        buffer = make_buffer(seed=seed, uninformative_group_weight=weight)
         informative = [group(rollout(f"i{k}", 1.0), rollout(f"i{k}", 0.0)) for k in range(3)]
         flat = [group(rollout(f"z{k}", 1.0), rollout(f"z{k}", 1.0)) for k in range(5)]
         buffer.add_batches([batch(*informative, *flat)], current_step=0)
         return buffer
 
     for seed in range(20):
-        rollouts, advantages = mixed((seed, 0.0)).sample(8)
+        rollouts, advantages = mixed(seed, 0.0).sample(8)
         ids = [r.problem_id for r in rollouts]
         assert sorted(set(ids[:6])) == ["i0", "i1", "i2"]  # every informative group first
         assert all(i.startswith("z") for i in ids[6:])  # then filled from the others
         assert np.count_nonzero(advantages) == 6
     # Weight 1 treats them alike: some batch of 4 (2 groups) holds an uninformative group.
-    batches = [mixed((seed, 1.0)).sample(4)[0] for seed in range(20)]
+    batches = [mixed(seed, 1.0).sample(4)[0] for seed in range(20)]
     assert any(r.problem_id.startswith("z") for b in batches for r in b)
 
 
