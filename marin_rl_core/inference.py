@@ -16,6 +16,11 @@ Notes on levanter's engine that shaped this wrapper:
   (with a warning when it breaks off). ``max_rounds = max_seq_len - 1`` lets the first loop
   produce every token a response can have, and requests are chunked so that each chunk fits
   in the slots and the prefill buffer at once (nothing waits in the engine's queue).
+* Samples of one prompt (``n_generations > 1``) share the prompt's KV pages. In this levanter
+  version the clones decode from wrong cache entries once the prompt fills its first page
+  (prompt length >= page size): their tokens and logprobs no longer match the model. So each
+  sequence gets one page of ``max_seq_len`` tokens (the same KV-cache memory as before), and a
+  prompt never reaches a page boundary; ``tests/test_inference.py`` guards this.
 * The sampler reports logprobs of the *tempered* distribution (``log_softmax(logits / T)``; for
   ``T = 0`` the untempered one).
 """
@@ -63,7 +68,8 @@ class SamplingEngine:
         max_seqs: sequences decoded at once (prompts x samples per chunk of work).
         max_prefill_tokens: prompt tokens prefilled in one call.
         max_stop_tokens: the most stop tokens (EOS included) a request may have.
-        page_size: tokens per KV-cache page.
+        page_size: tokens per KV-cache page; default (and at least) ``max_seq_len``, see the
+            module docstring.
         compute_dtype: KV-cache dtype (float32 keeps sampler and trainer logprobs identical up to
             float rounding).
     """
@@ -77,9 +83,10 @@ class SamplingEngine:
         max_seqs: int = 256,
         max_prefill_tokens: int = 2048,
         max_stop_tokens: int = 4,
-        page_size: int = 16,
+        page_size: int | None = None,
         compute_dtype: jnp.dtype = jnp.float32,
     ) -> None:
+        page_size = max(page_size or max_seq_len, max_seq_len)
         pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = max_seq_len
         self.eos_id = int(eos_id)

@@ -232,3 +232,20 @@ def test_update_model_rejects_a_different_architecture(fresh, models):
     bigger_vocab = models[0].resize_vocab(models[0].Vocab.size + 8)
     with pytest.raises(ValueError, match="same architecture"):
         fresh.update_model(bigger_vocab)
+
+
+def test_long_prompts_with_several_samples_each_match_the_trainer(models, tok):
+    """Prompts of 16 tokens and more (a chat template makes them common) with n > 1: every
+    sample's logprobs match the trainer's. With 16-token KV pages levanter's clones of a prompt
+    that fills a page decoded from the wrong cache entries."""
+    max_seq_len = 40
+    engine = SamplingEngine(models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
+    prompts = [[tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)] for length in (15, 16, 17, 30)]
+    samples = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=3)
+    responses = [s.tokens for group in samples for s in group]
+    ours = response_logprobs(
+        models[1], [p for p in prompts for _ in range(2)], responses, max_seq_len=max_seq_len, pad_id=tok.pad_id
+    )
+    for sample, expected in zip([s for group in samples for s in group], ours):
+        assert sample.tokens.size > 1
+        np.testing.assert_allclose(sample.logprobs, expected, atol=1e-4)
