@@ -32,13 +32,13 @@ def main() -> None:
     from marin_rl_core.config import resolve_config
     from marin_rl_core.model import next_token_logprobs
     from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import load_tokenizer
+    from marin_rl_core.tokenizer import model_tokenizer
     from marin_rl_core.trainer import initial_model, make_optimizer, make_train_step
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     registry = build_registry()
     config = resolve_config(registry, overrides=args.overrides)
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    tokenizer = model_tokenizer(config.model)
     model = initial_model(config, tokenizer)
     lesson = config.curriculum.lessons[0]
     sampling = config.sampling_for(lesson)

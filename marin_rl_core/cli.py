@@ -78,6 +78,15 @@ def _select(kind: str) -> Any:
     )
 
 
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model",
+        help="A Hugging Face checkpoint to train: a local directory or a hub id "
+        "(Qwen/Qwen3-0.6B). Shorthand for --set model.checkpoint=...",
+        rich_help_panel=CONFIG_PANEL,
+    ),
+]
 EnvOpt = Annotated[str | None, _select("env")]
 LossOpt = Annotated[str | None, _select("loss")]
 StorageOpt = Annotated[str | None, _select("storage")]
@@ -124,6 +133,10 @@ def _resolve(
     )
 
 
+def _model_override(model: str | None) -> list[str]:
+    return [] if model is None else [f"model.checkpoint={json.dumps(model)}"]
+
+
 @app.callback()
 def main_callback() -> None:
     """marinrl: RLOO/PPO post-training of language models on JAX, levanter and Ray.
@@ -136,6 +149,7 @@ def main_callback() -> None:
 @app.command()
 def run(
     config: ConfigOpt = None,
+    model: ModelOpt = None,
     env: EnvOpt = None,
     loss: LossOpt = None,
     storage: StorageOpt = None,
@@ -151,7 +165,7 @@ def run(
     disable_plugin: DisableOpt = None,
 ) -> None:
     """Train: launch a trainer and rollout workers as a Ray job."""
-    overrides = []
+    overrides = _model_override(model)
     if ray_address is not None:
         overrides.append(f"ray_address={json.dumps(ray_address)}")
     if run_id is not None:
@@ -244,6 +258,7 @@ def plugins_list(
 @config_app.command("show")
 def config_show(
     config: ConfigOpt = None,
+    model: ModelOpt = None,
     env: EnvOpt = None,
     loss: LossOpt = None,
     storage: StorageOpt = None,
@@ -271,6 +286,7 @@ def config_show(
                 "weight_transfer": weight_transfer,
                 "curriculum": curriculum,
             },
+            extra_overrides=_model_override(model),
         )
         typer.echo(dump_config(cfg, registry, fmt=fmt), nl=False)
 
@@ -369,6 +385,32 @@ def eval_command(
         for lesson, row in results["lessons"].items():
             table.add_row(lesson, f"{row['reward']:.3f}", str(row["n"]))
         Console().print(table)
+
+    _guarded(go)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="The run directory.")],
+    out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face checkpoint.")],
+    step: Annotated[
+        int | None, typer.Option(help="Export this step's checkpoint (default: the newest).")
+    ] = None,
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Write a run's trained policy as a Hugging Face checkpoint (safetensors, config, tokenizer
+    and chat template) that transformers loads with from_pretrained."""
+
+    def go() -> None:
+        from marin_rl_core.export import export_hf
+
+        registry = _registry(plugin, disable_plugin)
+        out, trained_step = export_hf(run_dir, out_dir, registry, step=step)
+        typer.echo(
+            f"exported step {trained_step} of {run_dir} to {out}\n"
+            f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r})"
+        )
 
     _guarded(go)
 

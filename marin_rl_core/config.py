@@ -31,20 +31,32 @@ from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
 
 @attrs.frozen(kw_only=True)
 class ModelConfig:
-    """The policy model: a levanter Llama, built from scratch or loaded from a checkpoint.
+    """The policy model: the embedded tiny Llama built from scratch, or a Hugging Face checkpoint.
 
     Args:
-        tokenizer: ``"arithmetic"`` for the tokenizer built in code (numbers 0-99 are single
-            tokens), or a path to a local Hugging Face tokenizer directory.
-        checkpoint: a local Hugging Face checkpoint directory to start from; empty builds a
-            fresh model from the fields below.
-        hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads: model shape (ignored
-            when ``checkpoint`` is set: the checkpoint's own config wins).
-        max_seq_len: the most tokens (prompt + response) a sequence may have.
+        checkpoint: a Hugging Face checkpoint to start from: a local directory (``save_pretrained``
+            or ``marinrl export`` output) or a hub id (``Qwen/Qwen3-0.6B``, downloaded into the
+            Hugging Face cache; ``marinrl run --model ID`` is the shorthand). Supported: Llama,
+            Qwen2/2.5 and Qwen3 (docs/hf-models.md). Empty builds the tiny default
+            model from the shape fields below.
+        tokenizer: ``"auto"``: the checkpoint's own tokenizer, or the arithmetic tokenizer built
+            in code for the default model (numbers 0-99 are single tokens); ``"arithmetic"``; or
+            a Hugging Face tokenizer directory or hub id. One whose vocabulary does not fit the
+            checkpoint's model is an error unless ``resize_vocab``.
+        resize_vocab: resize the checkpoint's vocabulary to the tokenizer's size.
+        use_chat_template: render prompts through the tokenizer's chat template when it has one
+            (``Problem.messages``, or the prompt as one user message); responses then also end
+            at the template's end-of-turn token.
+        hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads: the default model's
+            shape (ignored when ``checkpoint`` is set: the checkpoint's own config wins).
+        max_seq_len: the most tokens (prompt + response) a sequence may have; at most a
+            checkpoint's ``max_position_embeddings``.
     """
 
-    tokenizer: str = "arithmetic"
     checkpoint: str = ""
+    tokenizer: str = "auto"
+    resize_vocab: bool = False
+    use_chat_template: bool = True
     hidden_dim: int = 64
     intermediate_dim: int = 256
     num_layers: int = 1

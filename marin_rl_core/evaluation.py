@@ -26,7 +26,7 @@ def evaluate_checkpoint(
 
     from marin_rl_core.checkpoint import load_model
     from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import load_tokenizer
+    from marin_rl_core.tokenizer import model_tokenizer
     from marin_rl_core.trainer import initial_model
 
     checkpoint = resolve_checkpoint(path)
@@ -38,7 +38,7 @@ def evaluate_checkpoint(
         )
     config = resolve_config(registry, files=[config_file])
     step = int(json.loads((checkpoint / "state.json").read_text())["step"])
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    tokenizer = model_tokenizer(config.model)
     model = load_model(checkpoint, initial_model(config, tokenizer))
     manager = RolloutManager(config, registry, model=model, tokenizer=tokenizer)
     results = manager.evaluate_curriculum(

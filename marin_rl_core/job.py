@@ -211,22 +211,46 @@ class JobResult:
 
     def load_model(self) -> Any:
         """The trained policy, read from the run's final checkpoint."""
-        from marin_rl_core.checkpoint import latest_checkpoint, load_model
-        from marin_rl_core.tokenizer import load_tokenizer
-        from marin_rl_core.trainer import initial_model
+        from marin_rl_core.export import trained_model
+        from marin_rl_core.registry import build_registry
 
-        config = _saved_config(self.run_dir)
-        template = initial_model(config[0], load_tokenizer(config[0].model.tokenizer))
-        checkpoint = latest_checkpoint(self.run_dir)
-        assert checkpoint is not None
-        return load_model(checkpoint, template)
+        return trained_model(self.run_dir, build_registry())[0]
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write the trained policy as a Hugging Face checkpoint directory (what ``marinrl
+        export RUN_DIR OUT_DIR`` does); ``transformers`` loads it with ``from_pretrained``."""
+        from marin_rl_core.export import export_hf
+        from marin_rl_core.registry import build_registry
+
+        return export_hf(self.run_dir, out_dir, build_registry())[0]
 
 
-def _saved_config(run_dir: Path) -> tuple[RLJobConfig, Registry]:
-    from marin_rl_core.registry import build_registry
+def check_model(config: RLJobConfig) -> list[str]:
+    """Problems of the ``[model]`` section found without building the model: the checkpoint
+    exists and is a supported architecture, its tokenizer loads and fits its vocabulary, and
+    ``max_seq_len`` fits its context length. Returns error lines; raises :class:`ConfigError`
+    for a checkpoint that cannot be found at all."""
+    from marin_rl_core.pretrained import check_vocab, context_length
+    from marin_rl_core.tokenizer import model_tokenizer
 
-    registry = build_registry()
-    return resolve_config(registry, files=[run_dir / "config.toml"]), registry
+    model = config.model
+    if not model.checkpoint and model.tokenizer in ("auto", "arithmetic"):
+        return []
+    try:
+        tokenizer = model_tokenizer(model)
+    except ValueError as exc:
+        return [f"$.model.tokenizer: {exc}"]
+    if not model.checkpoint:
+        return []
+    check_vocab(model, tokenizer)
+    errors = []
+    limit = context_length(model)
+    if limit is not None and model.max_seq_len > limit:
+        errors.append(
+            f"$.model.max_seq_len ({model.max_seq_len}) is longer than the checkpoint's context "
+            f"length (max_position_embeddings = {limit}); lower it to at most {limit}"
+        )
+    return errors
 
 
 class RLJob:
@@ -261,6 +285,7 @@ class RLJob:
             errors.append(f"$.eval.sampling.max_tokens must be < $.model.max_seq_len ({max_seq})")
         if not self.config.curriculum.lessons:
             errors.append("$.curriculum.lessons: a job needs at least one lesson")
+        errors += check_model(self.config)
         if errors:
             raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in errors))
 

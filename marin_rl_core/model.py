@@ -10,7 +10,7 @@ position holds 0.
 from __future__ import annotations
 
 import dataclasses
-import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,11 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
 from levanter.layers.attention import AttentionMask
-from levanter.models.llama import LlamaConfig, LlamaLMHeadModel
+from levanter.models.llama import LlamaConfig, LlamaEmbedding, LlamaLMHeadModel, LlamaTransformer
 from levanter.models.lm_model import LmHeadModel
+from levanter.models.qwen import QwenConfig
 
 from marin_rl_core.config import ModelConfig
-from marin_rl_core.tokenizer import Tokenizer, load_tokenizer
+from marin_rl_core.tokenizer import Tokenizer, load_tokenizer, model_tokenizer
 
 VOCAB = "vocab"
 POS = "position"
@@ -61,38 +62,77 @@ def build_model(
 
     Args:
         config: the model section of the run config.
-        tokenizer: sizes the vocabulary; defaults to ``load_tokenizer(config.tokenizer)``.
+        tokenizer: sizes a fresh model's vocabulary and is checked against a checkpoint's;
+            defaults to :func:`~marin_rl_core.tokenizer.model_tokenizer` of ``config``.
         key: PRNG key for a fresh model (unused when loading a checkpoint).
     """
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(config)
     if config.checkpoint:
-        return load_hf_checkpoint(config.checkpoint, tokenizer=tokenizer)
+        from marin_rl_core.pretrained import check_vocab
+
+        check_vocab(config, tokenizer)
+        return load_hf_checkpoint(
+            config.checkpoint, tokenizer=tokenizer, resize_vocab=config.resize_vocab
+        )
     vocab = Axis(VOCAB, tokenizer.vocab_size)
     # One compiled init instead of hundreds of small eager ops (seconds on a busy CPU).
     return eqx.filter_jit(LlamaLMHeadModel.init)(vocab, llama_config(config), key=key)
 
 
-# Hugging Face model_type -> levanter config class (all decode with the paged KV cache that
-# the InferenceEngine needs). Listed explicitly: asking each levanter config for its converter
-# would reach for its reference checkpoint on the Hub.
-_LEVANTER_CONFIGS = {
-    "llama": ("levanter.models.llama", "LlamaConfig"),
-    "mistral": ("levanter.models.mistral", "MistralConfig"),
-    "qwen2": ("levanter.models.qwen", "QwenConfig"),
-    "qwen3": ("levanter.models.qwen", "Qwen3Config"),
-}
+@dataclasses.dataclass(frozen=True)
+class Qwen2DecodingConfig(QwenConfig):
+    """levanter's Qwen2 config, built on its Llama model classes.
+
+    levanter's own ``QwenLMHeadModel`` has no ``decode``/``initial_cache``, so its
+    ``InferenceEngine`` cannot sample from it. Qwen2 is Llama with biased q/k/v projections,
+    which ``QwenConfig.attention_config`` already asks for, so :class:`Qwen2LMHeadModel` reuses
+    ``LlamaLMHeadModel`` (decoding included) with this config. The parameter names and the
+    Hugging Face state-dict layout are the same as Qwen2's.
+    """
+
+    @property
+    def model_type(self) -> type[Qwen2LMHeadModel]:  # type: ignore[override]
+        return Qwen2LMHeadModel
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> Qwen2DecodingConfig:
+        base = QwenConfig.from_hf_config(hf_config)
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+
+
+class Qwen2LMHeadModel(LlamaLMHeadModel):
+    """A Qwen2 model (see :class:`Qwen2DecodingConfig`)."""
+
+    @classmethod
+    def init(cls, Vocab: Axis, config: Qwen2DecodingConfig, *, key: jax.Array) -> Qwen2LMHeadModel:  # type: ignore[override]
+        k_t, k_emb = jax.random.split(key, 2)
+        transformer = LlamaTransformer.init(config, key=k_t)
+        embeddings = LlamaEmbedding.init(Vocab, config, key=k_emb)
+        lm_head = (
+            None
+            if config.tie_word_embeddings
+            else hnn.Linear.init(In=config.Embed, Out=Vocab, key=k_emb, use_bias=False, out_first=True)
+        )
+        return Qwen2LMHeadModel(transformer, embeddings, lm_head)
 
 
 def _lev_config_class_for(model_type: str) -> type:
     """The levanter config class whose Hugging Face counterpart has ``model_type``."""
     import importlib
 
-    if model_type not in _LEVANTER_CONFIGS:
+    # Listed explicitly: asking each levanter config for its converter would reach for its
+    # reference checkpoint on the Hub.
+    levanter_configs = {
+        "llama": ("levanter.models.llama", "LlamaConfig"),
+        "qwen2": ("marin_rl_core.model", "Qwen2DecodingConfig"),
+        "qwen3": ("levanter.models.qwen", "Qwen3Config"),
+    }
+    if model_type not in levanter_configs:
         raise ValueError(
             f"checkpoint model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(_LEVANTER_CONFIGS))}"
+            f"{', '.join(sorted(levanter_configs))}"
         )
-    module, name = _LEVANTER_CONFIGS[model_type]
+    module, name = levanter_configs[model_type]
     return getattr(importlib.import_module(module), name)
 
 
@@ -103,61 +143,97 @@ def _checkpoint_mesh() -> Any:
     return hax.partitioning.set_mesh(mesh)
 
 
+class _Quiet(logging.Filter):
+    """A context manager that drops one logger's records containing ``text``."""
+
+    def __init__(self, logger_name: str, text: str):
+        super().__init__()
+        self._logger, self._text = logging.getLogger(logger_name), text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self._text not in record.getMessage()
+
+    def __enter__(self) -> None:
+        self._logger.addFilter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        self._logger.removeFilter(self)
+
+
 def load_hf_checkpoint(
-    path: str | Path, *, tokenizer: Tokenizer | None = None, dtype: Any = jnp.float32
+    spec: str | Path,
+    *,
+    tokenizer: Tokenizer | None = None,
+    resize_vocab: bool = False,
+    dtype: Any = jnp.float32,
 ) -> LmHeadModel:
-    """Load a local Hugging Face checkpoint directory (``config.json`` + safetensors) with
-    levanter's ``HFCheckpointConverter``.
+    """Load a Hugging Face checkpoint (a local directory or a hub id) with levanter's
+    ``HFCheckpointConverter``.
 
     Args:
-        path: the checkpoint directory. Nothing is downloaded.
-        tokenizer: sizes the vocabulary (the model is resized to it when the checkpoint's
-            differs); defaults to the tokenizer saved in ``path``.
+        spec: the checkpoint directory or hub id (see :mod:`marin_rl_core.pretrained`).
+        tokenizer: the run's tokenizer; defaults to the checkpoint's own.
+        resize_vocab: resize the model's vocabulary to ``tokenizer``'s size; otherwise the model
+            keeps the checkpoint's vocabulary (see :func:`check_vocab`).
         dtype: parameter dtype.
 
     Raises:
-        ValueError: when ``path`` is not a checkpoint directory or its architecture is unknown.
+        marin_rl_core.errors.ConfigError: a missing checkpoint or an unsupported architecture.
     """
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
     from transformers import AutoConfig
 
-    path = Path(path).expanduser()
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"model.checkpoint {str(path)!r} is not a Hugging Face checkpoint directory "
-            "(no config.json); give a local directory written by `save_pretrained`."
-        )
+    from marin_rl_core.pretrained import read_pretrained_info
+
+    info = read_pretrained_info(str(spec))
+    path = str(info.path)
     if tokenizer is None:
-        tokenizer = load_tokenizer(str(path))
-    model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
-    lev_config_cls = _lev_config_class_for(model_type)
-    hf_config_cls = type(AutoConfig.for_model(model_type))
+        tokenizer = load_tokenizer(path)
+    lev_config_cls = _lev_config_class_for(info.model_type)
+    hf_config_cls = type(AutoConfig.for_model(info.model_type))
     converter = HFCheckpointConverter(
         lev_config_cls,
-        reference_checkpoint=str(path),
+        reference_checkpoint=path,
         HfConfigClass=hf_config_cls,
         tokenizer=tokenizer.to_hf(),
     )
-    lev_config = converter.config_from_hf_checkpoint(str(path))
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if info.model_type == "qwen2" and not hasattr(hf_config, "no_bias"):
+        # levanter's QwenConfig reads a `no_bias` flag (for its MLP) that transformers'
+        # Qwen2Config lacks; Qwen2's MLP has no bias.
+        hf_config.no_bias = True
+    lev_config = lev_config_cls.from_hf_config(hf_config)
     if hasattr(lev_config, "gradient_checkpointing"):
         lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
-    with _checkpoint_mesh():
+    # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
+    # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
+    quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")
+    with _checkpoint_mesh(), quiet:
         return converter.load_pretrained(
-            lev_config.model_type, ref=str(path), config=lev_config, dtype=dtype
+            lev_config.model_type,
+            ref=path,
+            config=lev_config,
+            dtype=dtype,
+            resize_vocab_to_match_tokenizer=resize_vocab,
         )
 
 
 def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Tokenizer) -> None:
-    """Write ``model`` as a Hugging Face checkpoint directory (config, safetensors, tokenizer)
-    with levanter's ``HFCheckpointConverter``; :func:`load_hf_checkpoint` reads it back."""
+    """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads: the
+    config of the model's own architecture (Llama, Qwen2, Qwen3 ...), safetensors weights, the
+    tokenizer with its chat template, and a ``generation_config.json`` whose EOS ids are the
+    tokenizer's stop tokens. :func:`load_hf_checkpoint` reads it back."""
     from levanter.compat.hf_checkpoints import HFCheckpointConverter
+    from transformers import GenerationConfig
+
+    from marin_rl_core.pretrained import SUPPORTED_MODEL_TYPES
 
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     hf_config = model.config.to_hf_config(model.Vocab.size)
     # The converter copies `architectures` from a reference checkpoint's config; the directory's
     # own config (written first) is that reference, so nothing is fetched from the Hub.
-    hf_config.architectures = ["LlamaForCausalLM"]
+    hf_config.architectures = [SUPPORTED_MODEL_TYPES[hf_config.model_type]]
     hf_config.save_pretrained(str(path))
     converter = HFCheckpointConverter(
         type(model.config),
@@ -167,6 +243,11 @@ def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Token
     )
     with _checkpoint_mesh():
         converter.save_pretrained(model, str(path), save_reference_code=False, save_tokenizer=True)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=list(tokenizer.stop_ids),
+        pad_token_id=tokenizer.pad_id,
+    ).save_pretrained(str(path))
 
 
 # --- logprobs ------------------------------------------------------------------------------------

@@ -118,7 +118,8 @@ class RolloutManager:
         return self._envs[lesson_id]
 
     def _stop_tokens(self, sampling: SamplingParams) -> list[int]:
-        return list(dict.fromkeys([self.tokenizer.eos_id, *sampling.stop_tokens]))
+        """The tokenizer's stop tokens (EOS, the chat template's end of turn) and the lesson's."""
+        return list(dict.fromkeys([*self.tokenizer.stop_ids, *sampling.stop_tokens]))
 
     def _env_error(self, lesson_id: str, what: str, exc: Exception) -> None:
         if lesson_id not in self._errors_logged:
@@ -165,12 +166,15 @@ class RolloutManager:
         except Exception as exc:
             self._env_error(lesson_id, "posing problems", exc)
             return None, {"env_errors": float(n_examples)}
+        from marin_rl_core.tokenizer import encode_prompt
+
         prompts: list[list[int]] = []
         kept: list[Problem] = []
         limit = self.config.model.max_seq_len - 1
+        chat = self.config.model.use_chat_template
         for problem in problems:
             try:
-                tokens = self.tokenizer.encode(problem.prompt, add_bos=True)
+                tokens = encode_prompt(self.tokenizer, problem, use_chat_template=chat)
             except Exception as exc:
                 self._env_error(lesson_id, f"tokenizing problem {problem.id}", exc)
                 env_errors += 1

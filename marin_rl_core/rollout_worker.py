@@ -54,7 +54,7 @@ class RolloutWorker:
         curriculum: CurriculumPolicy,
         log: Callable[..., Any] | None = None,
     ):
-        from marin_rl_core.tokenizer import load_tokenizer
+        from marin_rl_core.tokenizer import model_tokenizer
         from marin_rl_core.trainer import initial_model
 
         self.config = config
@@ -65,7 +65,7 @@ class RolloutWorker:
         self.curriculum = curriculum
         self._log = log or (lambda metrics, *, step, source: None)
         self._stop = threading.Event()
-        tokenizer = load_tokenizer(config.model.tokenizer)
+        tokenizer = model_tokenizer(config.model)
         self.manager = RolloutManager(
             config,
             registry,

@@ -92,7 +92,7 @@ def check_env(record: EnvPlugin) -> None:
         again = env.sample_problems(3, mode=mode, seed=0)
         assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
         for problem in problems:
-            assert isinstance(problem.prompt, str) and problem.prompt
+            assert isinstance(problem.prompt, str) and (problem.prompt or problem.messages)
             assert isinstance(env.score(problem, problem.answer), float)
     if record.default_lessons is not None:
         lessons = list(record.default_lessons(record.config_class()))
@@ -164,6 +164,96 @@ def check_curriculum(record: CurriculumPlugin) -> None:
     assert fresh.lesson_states() == policy.lesson_states()
 
 
+# --- tiny Hugging Face checkpoints ------------------------------------------------------------------
+
+CHAT_TEMPLATES = {
+    # ChatML, as Qwen2/2.5/3 use it.
+    "chatml": (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    ),
+    # Llama 3's header/end-of-turn layout.
+    "llama3": (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+        "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    ),
+}
+_TEMPLATE_OF = {"llama": "llama3", "qwen2": "chatml", "qwen3": "chatml"}
+
+
+def tiny_chat_tokenizer(template: str = "chatml") -> Any:
+    """A small ``PreTrainedTokenizerFast`` with a chat template, built in code: the arithmetic
+    tokenizer's vocabulary plus the template's special tokens and the role words."""
+    from marin_rl_core.tokenizer import ArithmeticTokenizer
+
+    hf = ArithmeticTokenizer().to_hf()
+    specials = (
+        ["<|im_start|>", "<|im_end|>"]
+        if template == "chatml"
+        else ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )
+    hf.add_special_tokens({"additional_special_tokens": specials})
+    hf.add_tokens(["system", "user", "assistant"])
+    hf.chat_template = CHAT_TEMPLATES[template]
+    return hf
+
+
+def write_tiny_hf_checkpoint(
+    path: Any,
+    model_type: str = "qwen3",
+    *,
+    seed: int = 0,
+    vocab_size: int = 192,
+    max_position_embeddings: int = 128,
+) -> Any:
+    """Write a tiny random Hugging Face causal LM checkpoint with ``transformers`` (needs torch):
+    2 layers, hidden size 32, 4 query and 2 key/value heads, a vocabulary of ``vocab_size``
+    rows (more than the tokenizer's ~175 tokens, as real checkpoints pad theirs) and
+    :func:`tiny_chat_tokenizer` with the family's chat template. Qwen3 ties its embeddings, as
+    the small Qwen3 models do. Returns the directory.
+
+    ``model_type``: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+    """
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    tokenizer = tiny_chat_tokenizer(_TEMPLATE_OF[model_type])
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} < the tokenizer's {len(tokenizer)} tokens")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=max_position_embeddings,
+        # Larger than the usual 0.02 so logits differ visibly between positions and models.
+        initializer_range=0.2,
+        tie_word_embeddings=model_type == "qwen3",
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tokenizer.save_pretrained(str(path))
+    end_of_turn = "<|im_end|>" if _TEMPLATE_OF[model_type] == "chatml" else "<|eot_id|>"
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn)],
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(str(path))
+    return path
+
+
 CHECKS: dict[str, Callable[[Any], None]] = {
     "env": check_env,
     "loss": check_loss,
@@ -179,6 +269,7 @@ def check_plugin(record: PluginRecord) -> None:
 
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "CHECKS",
     "check_config_class",
     "check_curriculum",
@@ -188,4 +279,6 @@ __all__ = [
     "check_storage",
     "check_weight_transfer",
     "plugin_registry",
+    "tiny_chat_tokenizer",
+    "write_tiny_hf_checkpoint",
 ]

@@ -1,5 +1,10 @@
-"""Tokenizers behind one small interface: the arithmetic tokenizer built in code, or a local
-Hugging Face tokenizer directory.
+"""Tokenizers behind one small interface: the arithmetic tokenizer built in code, or a Hugging
+Face tokenizer (a checkpoint's own, a local directory or a hub id).
+
+:func:`model_tokenizer` picks the one a run uses: ``model.tokenizer = "auto"`` means the
+checkpoint's own tokenizer when ``model.checkpoint`` is set, else the arithmetic one.
+:func:`encode_prompt` turns a :class:`~marin_rl_core.types.Problem` into prompt tokens, through
+the tokenizer's chat template when it has one.
 
 The arithmetic tokenizer needs no download. Its vocabulary is the specials (``<pad>``, ``<bos>``,
 ``<eos>``, ``<unk>``), every integer ``0``-``99`` as one token, arithmetic and punctuation
@@ -24,9 +29,13 @@ built or loaded.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.types import Problem
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK)
@@ -71,8 +80,24 @@ class Tokenizer(Protocol):
     @property
     def eos_id(self) -> int: ...
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Ids that end a response: EOS first, then the chat template's end-of-turn token(s)
+        and the checkpoint's ``generation_config.json`` EOS ids."""
+        ...
+
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template, or ``None`` for a tokenizer without one."""
+        ...
+
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``, with the BOS id in front when ``add_bos`` (and one exists)."""
+        ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of ``messages`` through the chat template, ending with the prompt that
+        opens the assistant's turn. Only for tokenizers with a chat template."""
         ...
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
@@ -119,6 +144,17 @@ class ArithmeticTokenizer:
     @property
     def unk_id(self) -> int:
         return self._id_of[UNK]
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eos_id,)
+
+    @property
+    def chat_template(self) -> None:
+        return None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        raise ValueError("the arithmetic tokenizer has no chat template; give Problem.prompt")
 
     def token_id(self, token: str) -> int:
         """The id of one vocabulary entry (``token_id("7")``, ``token_id("+")``)."""
@@ -176,20 +212,34 @@ class ArithmeticTokenizer:
         return f"ArithmeticTokenizer(vocab_size={self.vocab_size})"
 
 
+# End-of-turn markers of common chat templates: a response ends at one of these as well as at EOS.
+END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
+
+
 class HFTokenizer:
-    """A Hugging Face tokenizer (loaded from a local directory) behind :class:`Tokenizer`.
+    """A Hugging Face tokenizer behind :class:`Tokenizer`.
 
     A tokenizer without a pad token uses its EOS token for padding (padding is always masked
     out of the loss, so which id fills it does not matter).
+
+    Args:
+        hf_tokenizer: a ``transformers.PreTrainedTokenizerBase``.
+        extra_stop_ids: more ids that end a response (a checkpoint's
+            ``generation_config.json`` EOS ids).
     """
 
-    def __init__(self, hf_tokenizer: Any):
+    def __init__(self, hf_tokenizer: Any, *, extra_stop_ids: Iterable[int] = ()):
         self._hf = hf_tokenizer
         if hf_tokenizer.eos_token_id is None:
             raise ValueError(
                 f"the tokenizer {getattr(hf_tokenizer, 'name_or_path', '')!r} has no EOS token; "
                 "marinrl needs one to end responses. Set `eos_token` in its tokenizer_config.json."
             )
+        stops = [int(hf_tokenizer.eos_token_id), *map(int, extra_stop_ids)]
+        template = self.chat_template or ""
+        vocab = hf_tokenizer.get_vocab()
+        stops += [vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab]
+        self._stop_ids = tuple(dict.fromkeys(stops))
 
     @property
     def vocab_size(self) -> int:
@@ -209,11 +259,32 @@ class HFTokenizer:
     def eos_id(self) -> int:
         return int(self._hf.eos_token_id)
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self._stop_ids
+
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self._hf, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
     def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
         ids = list(self._hf.encode(text, add_special_tokens=False))
         if add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        if self.chat_template is None:
+            raise ValueError(
+                f"the tokenizer {getattr(self._hf, 'name_or_path', '')!r} has no chat template; "
+                "give Problem.prompt, or a tokenizer with a chat template"
+            )
+        # Render to text and encode without added specials: the template writes its own BOS.
+        text = self._hf.apply_chat_template(
+            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+        )
+        return list(self._hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         return self._hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -225,40 +296,101 @@ class HFTokenizer:
         return f"HFTokenizer({getattr(self._hf, 'name_or_path', '')!r}, vocab_size={self.vocab_size})"
 
 
+def _generation_eos_ids(path: Path) -> list[int]:
+    """The EOS id(s) of a checkpoint's ``generation_config.json`` (an int or a list)."""
+    import json
+
+    try:
+        eos = json.loads((path / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
+        return []
+    if isinstance(eos, int):
+        return [eos]
+    return [int(e) for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """The tokenizer ``ModelConfig.tokenizer`` names.
+    """The tokenizer ``spec`` names.
 
     Args:
-        spec: ``"arithmetic"`` for :class:`ArithmeticTokenizer`, or the path of a local Hugging
-            Face tokenizer directory (one with ``tokenizer.json`` or ``tokenizer_config.json``,
-            e.g. a checkpoint directory). Nothing is downloaded.
+        spec: ``"arithmetic"`` for :class:`ArithmeticTokenizer`; the path of a local Hugging Face
+            tokenizer directory (one with ``tokenizer.json`` or ``tokenizer_config.json``, e.g. a
+            checkpoint directory); or a hub id (``Qwen/Qwen3-0.6B``), fetched into the Hugging
+            Face cache.
 
     Raises:
         ValueError: for a path that does not exist or holds no tokenizer.
+        marin_rl_core.pretrained.CheckpointNotFoundError: a hub id that cannot be fetched.
     """
+    from marin_rl_core.pretrained import checkpoint_dir, is_hub_id
+
     if spec == "arithmetic":
         return ArithmeticTokenizer()
+    if spec == "auto":
+        raise ValueError(
+            'tokenizer "auto" depends on the model: use model_tokenizer(config.model) to load it'
+        )
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise ValueError(
-            f"tokenizer {spec!r} is neither 'arithmetic' nor a local directory. Use "
-            "model.tokenizer = \"arithmetic\" or the path of a Hugging Face tokenizer directory "
-            "(downloads from the Hub are not supported)."
-        )
+        if not is_hub_id(spec):
+            raise ValueError(
+                f"tokenizer {spec!r} is neither 'arithmetic', 'auto', a local directory nor a "
+                "hub id. Use model.tokenizer = \"auto\" (the checkpoint's own), \"arithmetic\", "
+                "or the path of a Hugging Face tokenizer directory."
+            )
+        path = checkpoint_dir(spec)
     from transformers import AutoTokenizer
 
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ValueError(f"could not load a Hugging Face tokenizer from {str(path)!r}: {exc}") from exc
-    return HFTokenizer(hf)
+    return HFTokenizer(hf, extra_stop_ids=_generation_eos_ids(path))
+
+
+def model_tokenizer(config: ModelConfig) -> Tokenizer:
+    """The tokenizer a run uses: ``config.tokenizer``, where ``"auto"`` means the checkpoint's
+    own tokenizer (``model.checkpoint`` set) or the arithmetic tokenizer (the embedded default
+    model)."""
+    if config.tokenizer != "auto":
+        return load_tokenizer(config.tokenizer)
+    if not config.checkpoint:
+        return ArithmeticTokenizer()
+    from marin_rl_core.pretrained import checkpoint_dir
+
+    return load_tokenizer(str(checkpoint_dir(config.checkpoint)))
+
+
+def encode_prompt(tokenizer: Tokenizer, problem: Problem, *, use_chat_template: bool = True) -> list[int]:
+    """The prompt tokens of ``problem``.
+
+    With a chat template (and ``use_chat_template``), ``problem.messages`` (or, for a plain
+    prompt, one user message holding ``problem.prompt``) go through it, ending with the opening
+    of the assistant's turn. Otherwise ``problem.prompt`` is encoded with BOS in front.
+
+    Raises:
+        ValueError: a problem with only chat messages for a tokenizer without a chat template.
+    """
+    if use_chat_template and tokenizer.chat_template is not None:
+        messages = problem.messages or ({"role": "user", "content": problem.prompt},)
+        return tokenizer.encode_chat(messages)
+    if not problem.prompt:
+        raise ValueError(
+            f"problem {problem.id!r} has chat messages but no prompt, and the tokenizer "
+            f"{tokenizer!r} has no chat template (or model.use_chat_template is false); give "
+            "Problem.prompt as well"
+        )
+    return tokenizer.encode(problem.prompt, add_bos=True)
 
 
 __all__ = [
     "ARITHMETIC_VOCAB",
     "ArithmeticTokenizer",
+    "END_OF_TURN_TOKENS",
     "HFTokenizer",
     "SPLIT_PATTERN",
     "Tokenizer",
+    "encode_prompt",
     "load_tokenizer",
+    "model_tokenizer",
 ]

@@ -149,7 +149,7 @@ class Trainer:
         import jax
 
         from marin_rl_core.replay_buffer import ReplayBuffer
-        from marin_rl_core.tokenizer import load_tokenizer
+        from marin_rl_core.tokenizer import model_tokenizer
 
         self.config = config
         self._temperature = {
@@ -161,7 +161,7 @@ class Trainer:
         self._log = log or (lambda metrics, *, step, source: None)
         self._curriculum_state = curriculum_state or dict
         self._stop = threading.Event()
-        self.tokenizer = load_tokenizer(config.model.tokenizer)
+        self.tokenizer = model_tokenizer(config.model)
 
         model = initial_model(config, self.tokenizer)
         loss = registry.get("loss", config.loss.name).build(config.loss.config)

@@ -53,21 +53,46 @@ class SamplingParams:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
+def _messages(value: Any) -> tuple[Mapping[str, str], ...]:
+    messages = tuple(dict(m) for m in value)
+    for i, m in enumerate(messages):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(
+                f"Problem.messages[{i}] must be a mapping with string 'role' and 'content' keys "
+                f"(chat format: {{'role': 'user', 'content': '...'}}), got {m!r}"
+            )
+    return messages
+
+
 @attrs.frozen(kw_only=True)
 class Problem:
-    """One task instance an env poses: the prompt text and whatever the env needs to grade it.
+    """One task instance an env poses: the prompt and whatever the env needs to grade it.
+
+    A problem carries a plain ``prompt``, chat ``messages``, or both. With a model whose
+    tokenizer has a chat template (a Hugging Face checkpoint's, ``model.use_chat_template =
+    true``), the framework renders ``messages`` through it, or a single user message holding
+    ``prompt`` when there are no messages, and opens the assistant's turn. Without a chat template
+    (the arithmetic tokenizer of the embedded default model) ``prompt`` is encoded as it is, with
+    BOS in front; a problem with only ``messages`` is then an env error. Write ``prompt`` for a
+    task any model can take; add ``messages`` for a system prompt or few-shot turns.
 
     Args:
         id: stable identifier, unique within the env (used in logs and dedup).
         prompt: the text given to the policy.
         answer: the reference answer, if the env grades against one.
         info: anything else the env wants back in ``score``.
+        messages: chat messages, ``{"role": "system" | "user" | "assistant", "content": str}``.
     """
 
     id: str
-    prompt: str
+    prompt: str = ""
     answer: str = ""
     info: Mapping[str, Any] = attrs.field(factory=dict)
+    messages: tuple[Mapping[str, str], ...] = attrs.field(default=(), converter=_messages)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.prompt and not self.messages:
+            raise ValueError(f"problem {self.id!r} needs a prompt or chat messages")
 
 
 @attrs.frozen(kw_only=True)

@@ -26,7 +26,15 @@ def test_every_hook_is_documented(hook):
 
 @pytest.mark.parametrize(
     "command",
-    ["run", "eval PATH", "report RUN_DIR", "plugins list", "config show", "config validate FILE"],
+    [
+        "run",
+        "eval PATH",
+        "export RUN_DIR OUT_DIR",
+        "report RUN_DIR",
+        "plugins list",
+        "config show",
+        "config validate FILE",
+    ],
 )
 def test_every_command_is_documented(command):
     assert f"## `marinrl {command}" in read("cli.md")

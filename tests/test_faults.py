@@ -48,12 +48,12 @@ class flaky_plugin:  # a plugin object, registered in code
 
 def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import load_tokenizer
+    from marin_rl_core.tokenizer import model_tokenizer
     from marin_rl_core.trainer import initial_model
 
     registry = build_registry(modules=[flaky_plugin])
     config = resolve_config(registry, selections={"env": "flaky"}, overrides=["eval.n_examples=6"])
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    tokenizer = model_tokenizer(config.model)
     manager = RolloutManager(
         config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
     )

@@ -11,6 +11,7 @@ import pytest
 from levanter.layers.attention import AttentionMask
 
 from marin_rl_core.config import ModelConfig
+from marin_rl_core.errors import ConfigError
 from marin_rl_core.model import (
     build_model,
     load_hf_checkpoint,
@@ -90,7 +91,7 @@ def test_hf_checkpoint_round_trip_gives_the_same_logits(model, tok, tmp_path):
 
 
 def test_loading_something_that_is_not_a_checkpoint_says_so(tmp_path, tok):
-    with pytest.raises(ValueError, match="not a Hugging Face checkpoint directory"):
+    with pytest.raises(ConfigError, match="not a Hugging Face checkpoint directory"):
         load_hf_checkpoint(tmp_path, tokenizer=tok)
 
 

@@ -91,7 +91,7 @@ def test_load_tokenizer_arithmetic_and_local_directory(tok, tmp_path):
 
 
 def test_load_tokenizer_rejects_what_it_cannot_load(tmp_path):
-    with pytest.raises(ValueError, match="neither 'arithmetic' nor a local directory"):
+    with pytest.raises(ValueError, match="neither 'arithmetic', 'auto', a local directory nor a hub id"):
         load_tokenizer("gpt2")
     with pytest.raises(ValueError, match="could not load a Hugging Face tokenizer"):
         load_tokenizer(str(tmp_path))
