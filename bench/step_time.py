@@ -1,11 +1,17 @@
-"""Learner step time against a plain cross-entropy step of the same shape, and rollout tokens/s.
+"""Learner step time and peak memory against a plain levanter cross-entropy step of the same
+shape, and rollout tokens/s.
 
-Target (issue 3): the RL step costs at most 1.3x a cross-entropy step of the same batch shape,
-plus one reference-model forward when the loss uses a KL penalty. Everything is measured side by
-side in this one process, on the default run config, with the same optimizer and the same jitted
-step wrapper (``marin_rl_core.trainer.make_train_step``).
+Targets (issues 3 and 8): the RL step costs at most 1.3x a cross-entropy step of the same batch
+shape, plus one reference-model forward when the loss uses a KL penalty, and needs at most 1.2x
+its peak memory. The cross-entropy step is levanter's own ``compute_next_token_loss`` (blockwise
+over the vocabulary, 32,768 tokens a block, when the vocabulary is larger than that, as one would
+train a Qwen-sized vocabulary). Everything is measured side by side in this one process with the
+same optimizer and the same jitted step wrapper (``marin_rl_core.trainer.make_train_step``); peak
+memory is XLA's own figure for each compiled step (temporaries, arguments and outputs).
 
     python bench/step_time.py [--repeats 30] [--set trainer.batch_size=256 ...]
+    # a small Qwen3-shaped checkpoint with Qwen's real 151,936-token vocabulary:
+    python bench/step_time.py --hf-vocab 151936 --set trainer.batch_size=64
 """
 
 from __future__ import annotations
@@ -21,7 +27,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--hf-vocab",
+        type=int,
+        default=0,
+        help="bench a tiny Qwen3 checkpoint (written to a temporary directory) with this many "
+        "vocabulary rows instead of the default model",
+    )
+    parser.add_argument("--hf-hidden", type=int, default=128)
     args = parser.parse_args()
+    if args.hf_vocab:
+        import tempfile
+
+        from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+        path = write_tiny_hf_checkpoint(
+            tempfile.mkdtemp(prefix="marinrl-bench-"),
+            "qwen3",
+            vocab_size=args.hf_vocab,
+            hidden_size=args.hf_hidden,
+        )
+        args.overrides = [
+            f'model.checkpoint="{path}"',
+            "model.max_seq_len=32",
+            'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
+            *args.overrides,
+        ]
 
     import equinox as eqx
     import haliax as hax
@@ -80,12 +111,35 @@ def main() -> None:
         batch_size=size,
     )
 
-    def ce_loss(m, b, *, key=None):
-        logp = next_token_logprobs(m, b.input_ids)
-        loss = -hax.sum(logp * b.loss_mask).scalar() / jnp.maximum(
-            hax.sum(b.loss_mask).scalar(), 1.0
+    import dataclasses
+
+    from levanter.models.lm_model import LmExample, compute_next_token_loss
+
+    vocab = model.Vocab.size
+    ce_block = 32_768 if vocab > 32_768 else None
+    ce_model = (
+        dataclasses.replace(
+            model,
+            transformer=dataclasses.replace(
+                model.transformer,
+                config=dataclasses.replace(model.config, cross_entropy_block_size=ce_block),
+            ),
         )
-        return loss, {}
+        if ce_block
+        else model
+    )
+
+    def ce_loss(m, b, *, key=None):
+        # levanter's mask is on the token predicted; ours on the position predicting it.
+        mask = hax.roll(b.loss_mask, 1, b.Pos).astype(jnp.int32)
+        example = hax.vmap(lambda ids, lm: LmExample.causal(ids, loss_mask=lm), b.Batch)(
+            b.input_ids, mask
+        )
+        per_token = compute_next_token_loss(m, example, key=key, reduction=None)
+        # Unreduced (levanter's masked mean asks jnp.mean for a float `where`), then the mean
+        # over response tokens, as the RL loss normalises.
+        total = hax.sum(per_token * example.loss_mask).scalar()
+        return total / jnp.maximum(hax.sum(example.loss_mask).scalar(), 1), {}
 
     def reference_forward(m, b):
         return hax.sum(next_token_logprobs(m, b.input_ids) * b.loss_mask).scalar()
@@ -93,8 +147,17 @@ def main() -> None:
     reference_forward = jax.jit(reference_forward)
     optimizer = make_optimizer(config.trainer)
 
-    def timed(step_fn) -> list[float]:
-        m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
+    def peak_bytes(step_fn, like) -> int:
+        m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, like)
+        opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
+        compiled = step_fn.lower(tb, m, opt_state, jax.random.PRNGKey(0)).compile()
+        stats = compiled.compiled.memory_analysis()  # equinox wraps the jax.stages.Compiled
+        return int(
+            stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+        )
+
+    def timed(step_fn, like=model) -> list[float]:
+        m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, like)
         opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
         key = jax.random.PRNGKey(0)
         m, opt_state, loss, _ = step_fn(tb, m, opt_state, key)  # compile
@@ -129,17 +192,26 @@ def main() -> None:
     # Interleave the two so drift on a shared machine hits both alike.
     rl_times, ce_times = [], []
     for _ in range(3):
-        ce_times += timed(ce_step)
+        ce_times += timed(ce_step, ce_model)
         rl_times += timed(rl_step)
     fwd_times = timed_forward()
     rl, ce, fwd = (statistics.median(t) for t in (rl_times, ce_times, fwd_times))
     print(
-        f"batch {size} x {config.model.max_seq_len} tokens, model {config.model.hidden_dim}d x "
-        f"{config.model.num_layers} layers, loss {config.loss.name} (kl_coef={getattr(config.loss.config, 'kl_coef', '-')})"
+        f"batch {size} x {config.model.max_seq_len} tokens, model {model.config.hidden_dim}d x "
+        f"{model.config.num_layers} layers, loss {config.loss.name} (kl_coef={getattr(config.loss.config, 'kl_coef', '-')})"
     )
     print(f"cross-entropy step      {ce * 1e3:8.2f} ms (median of {len(ce_times)})")
     print(f"RL step                 {rl * 1e3:8.2f} ms (median of {len(rl_times)})")
     print(f"reference forward       {fwd * 1e3:8.2f} ms")
+    ce_mem, rl_mem = peak_bytes(ce_step, ce_model), peak_bytes(rl_step, model)
+    full_logits = size * config.model.max_seq_len * vocab * 4
+    print(
+        f"peak memory             CE {ce_mem / 2**20:8.1f} MiB, RL {rl_mem / 2**20:8.1f} MiB: "
+        f"RL / CE {rl_mem / ce_mem:.2f}x (target <= 1.20x; one fp32 [batch, position, vocab] "
+        f"array would be {full_logits / 2**20:.0f} MiB, vocab {vocab}"
+        + (f", levanter CE blocks of {ce_block}" if ce_block else "")
+        + ")"
+    )
     if reference is None:
         print(f"RL / CE                 {rl / ce:8.2f}x   (target <= 1.30x)")
     else:

@@ -253,14 +253,45 @@ def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Token
 # --- logprobs ------------------------------------------------------------------------------------
 
 
+LOGITS_BLOCK_BYTES = 512 * 2**20
+"""The most memory one block of float32 logits takes in :func:`next_token_logprobs_and_entropy`:
+with a 151,936-token vocabulary (Qwen) that is 883 positions per block, so a batch of any size
+never holds a whole ``[batch, position, vocab]`` array at once."""
+
+
+def _block_logprobs_and_entropy(
+    hidden: jax.Array, targets: jax.Array, temperature: jax.Array, lm_head: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Plain arrays: ``hidden [n, embed]``, ``targets [n]``, ``temperature [n]`` and
+    ``lm_head [embed, vocab]`` -> ``(logprob of each target, entropy)``, both ``[n]`` float32.
+
+    Written as reductions over the logits (a log-sum-exp, a gather, one weighted sum) rather
+    than through a ``[n, vocab]`` array of log-probabilities: with a large vocabulary the step is
+    bound by passes over the logits. The entropy is a metric, so no gradient flows through it.
+    """
+    logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32).astype(jnp.float32)
+    logits = logits / temperature[:, None]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    token_logprobs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
+    fixed, fixed_lse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
+    entropy = fixed_lse - jnp.sum(jnp.exp(fixed - fixed_lse[:, None]) * fixed, axis=-1)
+    return token_logprobs, entropy
+
+
 def next_token_logprobs_and_entropy(
     model: LmHeadModel,
     input_ids: NamedArray,
     *,
     temperature: float | NamedArray = 1.0,
     key: jax.Array | None = None,
+    block_tokens: int | None = None,
 ) -> tuple[NamedArray, NamedArray]:
     """Per-position logprob of the next token and entropy of the next-token distribution.
+
+    The logits are computed block by block of positions (``block_tokens``; by default as many as
+    fit :data:`LOGITS_BLOCK_BYTES`), and each block's logits are recomputed in the backward pass
+    rather than stored, so peak memory stays one block of ``[positions, vocab]`` whatever the
+    batch. A batch that fits one block is computed in one go.
 
     Args:
         model: the policy.
@@ -270,21 +301,46 @@ def next_token_logprobs_and_entropy(
             temperature (0 means greedy and is treated as 1, as levanter's sampler does). A
             scalar or a named array over the batch axes of ``input_ids``.
         key: dropout key (unused by Llama).
+        block_tokens: positions (over the whole batch) per block of logits.
 
     Returns:
         ``(logprobs, entropy)``, both float32 ``[..., position]``: ``logprobs[t] = log p(x[t+1] |
         x[..t])`` and ``entropy[t]`` the entropy of ``p(. | x[..t])``; the last position is 0.
     """
     pos = input_ids.resolve_axis(POS)
-    logits = model(input_ids, attn_mask=AttentionMask.causal(), key=key).astype(jnp.float32)
+    hidden = model.activations(input_ids, attn_mask=AttentionMask.causal(), key=key)
+    hidden = hidden.rearrange((*input_ids.axes, model.Embed))
+    lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
     if isinstance(temperature, NamedArray):
         safe_t = hax.where(temperature == 0, 1.0, temperature).astype(jnp.float32)
+        temps = hax.broadcast_to(safe_t, input_ids.axes).array
     else:
-        safe_t = 1.0 if temperature == 0 else float(temperature)
-    log_probs = hnn.log_softmax(logits / safe_t, axis=model.Vocab)
-    targets = hax.roll(input_ids, -1, pos)
-    token_logprobs = hax.take(log_probs, model.Vocab, targets)
-    entropy = -hax.sum(hax.exp(log_probs) * log_probs, axis=model.Vocab)
+        temps = jnp.full(input_ids.array.shape, 1.0 if temperature == 0 else float(temperature))
+    targets = hax.roll(input_ids, -1, pos).array
+
+    n = targets.size
+    flat = (
+        hidden.array.reshape(n, -1),
+        targets.reshape(n),
+        temps.reshape(n).astype(jnp.float32),
+    )
+    block = block_tokens or max(1, LOGITS_BLOCK_BYTES // (4 * model.Vocab.size))
+    if block >= n:
+        token_logprobs, entropy = _block_logprobs_and_entropy(*flat, lm_head)
+    else:
+        blocks = -(-n // block)
+        # Padding rows get temperature 1: a zero there would put NaNs into the gradients.
+        padded = [
+            jnp.pad(x, [(0, blocks * block - n)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+            for x, fill in zip(flat, (0, 0, 1))
+        ]
+        per_block = jax.checkpoint(lambda xs: _block_logprobs_and_entropy(*xs, lm_head))
+        token_logprobs, entropy = jax.lax.map(
+            per_block, tuple(x.reshape(blocks, block, *x.shape[1:]) for x in padded)
+        )
+        token_logprobs, entropy = token_logprobs.reshape(-1)[:n], entropy.reshape(-1)[:n]
+    token_logprobs = hax.named(token_logprobs.reshape(targets.shape), input_ids.axes)
+    entropy = hax.named(entropy.reshape(targets.shape), input_ids.axes)
     not_last = hax.arange(pos) < pos.size - 1
     return hax.where(not_last, token_logprobs, 0.0), hax.where(not_last, entropy, 0.0)
 
@@ -295,10 +351,13 @@ def next_token_logprobs(
     *,
     temperature: float | NamedArray = 1.0,
     key: jax.Array | None = None,
+    block_tokens: int | None = None,
 ) -> NamedArray:
     """``log p(x[t+1] | x[..t])`` at each position ``t`` (0 at the last); see
     :func:`next_token_logprobs_and_entropy`."""
-    return next_token_logprobs_and_entropy(model, input_ids, temperature=temperature, key=key)[0]
+    return next_token_logprobs_and_entropy(
+        model, input_ids, temperature=temperature, key=key, block_tokens=block_tokens
+    )[0]
 
 
 @eqx.filter_jit

@@ -206,9 +206,12 @@ def write_tiny_hf_checkpoint(
     seed: int = 0,
     vocab_size: int = 192,
     max_position_embeddings: int = 128,
+    hidden_size: int = 32,
+    num_layers: int = 2,
 ) -> Any:
     """Write a tiny random Hugging Face causal LM checkpoint with ``transformers`` (needs torch):
-    2 layers, hidden size 32, 4 query and 2 key/value heads, a vocabulary of ``vocab_size``
+    ``num_layers`` layers (2), hidden size ``hidden_size`` (32), 4 query and 2 key/value heads, a
+    vocabulary of ``vocab_size``
     rows (more than the tokenizer's ~175 tokens, as real checkpoints pad theirs) and
     :func:`tiny_chat_tokenizer` with the family's chat template. Qwen3 ties its embeddings, as
     the small Qwen3 models do. Returns the directory.
@@ -227,12 +230,12 @@ def write_tiny_hf_checkpoint(
     config = AutoConfig.for_model(
         model_type,
         vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=8,
+        head_dim=hidden_size // 4,
         max_position_embeddings=max_position_embeddings,
         # Larger than the usual 0.02 so logits differ visibly between positions and models.
         initializer_range=0.2,

@@ -135,3 +135,26 @@ def test_response_logprobs_of_a_batch(model, tok):
         expected = log_softmax(logits_of(model, [full])[0])
         want = [expected[len(prompt) - 1 + j, tok_id] for j, tok_id in enumerate(response)]
         np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_logprobs_computed_block_by_block_equal_the_whole_batch_and_so_do_gradients(model, tok):
+    rows = ids_of([tok.encode("12+7=19", add_bos=True), tok.encode("3*4=12", add_bos=True)])
+    temperature = hax.named(jnp.asarray([1.0, 0.7]), ("batch",))
+
+    def total(m, block_tokens):
+        logprobs, entropy = next_token_logprobs_and_entropy(
+            m, rows, temperature=temperature, block_tokens=block_tokens
+        )
+        return hax.sum(logprobs).array + 0.1 * hax.sum(entropy).array, (logprobs, entropy)
+
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(total, has_aux=True), donate="none")
+    # 12 positions in blocks of 5 (the last block padded) against one block of everything.
+    (_, (lp_blocks, ent_blocks)), g_blocks = grad(model, 5)
+    (_, (lp_whole, ent_whole)), g_whole = grad(model, 1000)
+    np.testing.assert_allclose(np.asarray(lp_blocks.array), np.asarray(lp_whole.array), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(ent_blocks.array), np.asarray(ent_whole.array), atol=1e-5)
+    expected = log_softmax(logits_of(model, rows.array.tolist())[1] / 0.7)
+    assert float(lp_blocks.array[1, 0]) == pytest.approx(expected[0, int(rows.array[1, 1])], abs=1e-5)
+    for a, b in zip(jax.tree.leaves(g_blocks), jax.tree.leaves(g_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    assert any(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g_blocks))
