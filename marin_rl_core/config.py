@@ -148,6 +148,53 @@ class EvalConfig:
     )
 
 
+@attrs.frozen(kw_only=True)
+class RoleResources:
+    """What one Ray actor of a role asks the cluster for. Ray places it on a node that has them
+    and shows it only its own accelerators (``CUDA_VISIBLE_DEVICES``, ``TPU_VISIBLE_CHIPS``).
+
+    Args:
+        num_cpus: CPU cores (0: the actor takes no CPU slot, which suits one machine).
+        num_gpus: GPUs.
+        memory_gb: memory to reserve, in GiB (0: none).
+        custom: other resources by name, e.g. ``{TPU = 4}`` or a node label of your cluster.
+    """
+
+    num_cpus: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    num_gpus: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    memory_gb: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    custom: Mapping[str, float] = attrs.field(factory=dict)
+
+    def ray_options(self) -> dict[str, Any]:
+        """The ``.options(...)`` of an actor that asks for these resources."""
+        options: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory_gb:
+            options["memory"] = int(self.memory_gb * 2**30)
+        if self.custom:
+            options["resources"] = {k: float(v) for k, v in self.custom.items()}
+        return options
+
+    def requested(self) -> dict[str, float]:
+        """These resources under Ray's names (``CPU``, ``GPU``, ``memory`` in bytes, custom)."""
+        out = {"CPU": self.num_cpus, "GPU": self.num_gpus, "memory": self.memory_gb * 2**30}
+        out.update({k: float(v) for k, v in self.custom.items()})
+        return {k: v for k, v in out.items() if v}
+
+
+@attrs.frozen(kw_only=True)
+class ResourcesConfig:
+    """Ray resources per role. A job whose requests the cluster cannot meet stops before any
+    actor starts, naming what was asked and what the cluster has.
+
+    Args:
+        trainer: the trainer actor's resources (the learner's devices).
+        rollout: each rollout worker's resources (its inference engine's devices).
+    """
+
+    trainer: RoleResources = RoleResources()
+    rollout: RoleResources = RoleResources()
+
+
 TRACKERS = ("jsonl", "wandb", "tensorboard")
 
 
@@ -248,6 +295,7 @@ class RLJobConfig:
     num_rollout_workers: int = 1
     ray_address: str = ""
     model: ModelConfig = ModelConfig()
+    resources: ResourcesConfig = ResourcesConfig()
     trainer: TrainerConfig = TrainerConfig()
     replay_buffer: ReplayBufferConfig = ReplayBufferConfig()
     # The default task's answers are one token plus the stop token: see docs/default-task.md.
@@ -717,6 +765,8 @@ __all__ = [
     "PluginChoice",
     "RLJobConfig",
     "ReplayBufferConfig",
+    "ResourcesConfig",
+    "RoleResources",
     "SamplingParams",
     "StorageChoice",
     "TrainerConfig",

@@ -33,6 +33,8 @@ class ExitCode(enum.IntEnum):
     """A plugin breaks the hook contract (a hookimpl matching no hookspec, a malformed record)."""
     NOT_AVAILABLE = 8
     """The requested feature is not available in this version."""
+    RESOURCES = 9
+    """The Ray cluster does not have the resources the job asks for (``[resources]``)."""
     INTERRUPTED = 130
     """Stopped by Ctrl-C; a resumable checkpoint was written."""
 
@@ -107,6 +109,12 @@ class PluginContractError(MarinRLError):
     """A plugin breaks the hook contract: a hookimpl that matches no hookspec, a bad record."""
 
     exit_code = ExitCode.PLUGIN_CONTRACT
+
+
+class ResourcesUnavailableError(MarinRLError):
+    """The cluster cannot place an actor: it lacks what ``[resources]`` asks for."""
+
+    exit_code = ExitCode.RESOURCES
 
 
 class FeatureNotAvailableError(MarinRLError):

@@ -225,6 +225,70 @@ class JobResult:
         return export_hf(self.run_dir, out_dir, build_registry())[0]
 
 
+def _format_resources(resources: dict[str, float]) -> str:
+    def one(name: str, amount: float) -> str:
+        if name == "memory":
+            return f"{amount / 2**30:.1f} GiB memory"
+        return f"{amount:g} {name}"
+
+    return ", ".join(one(k, v) for k, v in sorted(resources.items())) or "nothing"
+
+
+def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
+    """Refuse a job whose ``[resources]`` the cluster cannot meet, before any actor starts (Ray
+    would leave such an actor pending forever).
+
+    Args:
+        config: the run config.
+        nodes: the resources of each live node (``ray.nodes()[i]["Resources"]``).
+
+    Raises:
+        ResourcesUnavailableError: naming what each role asks for and what the cluster has.
+    """
+    from marin_rl_core.errors import ResourcesUnavailableError
+
+    cluster: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node.items():
+            if not name.startswith(("node:", "accelerator_type:")) and name != "object_store_memory":
+                cluster[name] = cluster.get(name, 0.0) + amount
+    roles = [
+        ("trainer", "resources.trainer", config.resources.trainer.requested(), 1),
+        (
+            "each rollout worker",
+            "resources.rollout",
+            config.resources.rollout.requested(),
+            config.num_rollout_workers,
+        ),
+    ]
+    problems, total = [], {}
+    for role, path, asked, count in roles:
+        for name, amount in asked.items():
+            total[name] = total.get(name, 0.0) + amount * count
+        if asked and not any(
+            all(node.get(k, 0.0) >= v for k, v in asked.items()) for node in nodes
+        ):
+            problems.append(
+                f"the {role} asks for {_format_resources(asked)} ($.{path}), and no node has that"
+            )
+    short = {k: v for k, v in total.items() if cluster.get(k, 0.0) < v}
+    if short and not problems:
+        problems.append(
+            f"together the trainer and {config.num_rollout_workers} rollout worker(s) ask for "
+            f"{_format_resources(short)}"
+        )
+    if problems:
+        raise ResourcesUnavailableError(
+            "the Ray cluster cannot run this job: "
+            + "; ".join(problems)
+            + f". The cluster has {_format_resources(cluster)}"
+            + (f" on {len(nodes)} nodes" if len(nodes) > 1 else "")
+            + ". Lower those [resources] values (or num_rollout_workers), or run on a cluster "
+            "that has them (--ray-address; `ray start --num-gpus N --resources '{\"TPU\": 4}'` "
+            "adds a node's resources)."
+        )
+
+
 def check_model(config: RLJobConfig) -> list[str]:
     """Problems of the ``[model]`` section found without building the model: the checkpoint
     exists and is a supported architecture, its tokenizer loads and fits its vocabulary, and
@@ -347,8 +411,14 @@ class RLJob:
             ray_address,
         )
         actors: list[Any] = []
-        storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         interrupted = False
+        try:
+            check_resources(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+        except MarinRLError:
+            if started_ray:
+                ray.shutdown()
+            raise
+        storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         try:
             hub = (
                 ray.remote(MetricsHub)
@@ -362,7 +432,7 @@ class RLJob:
             )
             trainer = (
                 ray.remote(TrainerService)
-                .options(num_cpus=0, max_concurrency=4)
+                .options(**config.resources.trainer.ray_options(), max_concurrency=4)
                 .remote(trainer_wc, storage, curriculum, hub)
             )
             actors += [hub, curriculum, trainer]
@@ -370,7 +440,7 @@ class RLJob:
             start_step = int(info["step"])
             rollouts = [
                 ray.remote(RolloutService)
-                .options(num_cpus=0, max_concurrency=4)
+                .options(**config.resources.rollout.ray_options(), max_concurrency=4)
                 .remote(wc, storage, info["address"], curriculum, hub)
                 for wc in rollout_wcs
             ]
