@@ -259,23 +259,58 @@ with a 151,936-token vocabulary (Qwen) that is 883 positions per block, so a bat
 never holds a whole ``[batch, position, vocab]`` array at once."""
 
 
-def _block_logprobs_and_entropy(
-    hidden: jax.Array, targets: jax.Array, temperature: jax.Array, lm_head: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Plain arrays: ``hidden [n, embed]``, ``targets [n]``, ``temperature [n]`` and
-    ``lm_head [embed, vocab]`` -> ``(logprob of each target, entropy)``, both ``[n]`` float32.
-
-    Written as reductions over the logits (a log-sum-exp, a gather, one weighted sum) rather
-    than through a ``[n, vocab]`` array of log-probabilities: with a large vocabulary the step is
-    bound by passes over the logits. The entropy is a metric, so no gradient flows through it.
-    """
+def _block_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Array) -> jax.Array:
     logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32).astype(jnp.float32)
-    logits = logits / temperature[:, None]
+    return logits / temperature[:, None]
+
+
+def _block_forward(
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
+) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
+    logits = _block_logits(hidden, lm_head, temperature)
     lse = jax.nn.logsumexp(logits, axis=-1)
     token_logprobs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-    fixed, fixed_lse = jax.lax.stop_gradient(logits), jax.lax.stop_gradient(lse)
-    entropy = fixed_lse - jnp.sum(jnp.exp(fixed - fixed_lse[:, None]) * fixed, axis=-1)
-    return token_logprobs, entropy
+    entropy = lse - jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+    return (token_logprobs, entropy), lse
+
+
+@jax.custom_vjp
+def _block_logprobs_and_entropy(
+    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Plain arrays: ``hidden [n, embed]``, ``lm_head [embed, vocab]``, ``targets [n]`` and
+    ``temperature [n]`` -> ``(logprob of each target, entropy)``, both ``[n]`` float32.
+
+    The forward pass reduces the logits (a log-sum-exp, a gather, one weighted sum) without a
+    ``[n, vocab]`` array of log-probabilities; the backward pass recomputes the logits from
+    ``hidden`` and keeps nothing of size ``vocab`` between the two (as levanter's blockwise
+    cross-entropy does). The entropy is a metric: no gradient flows through it, nor into
+    ``temperature``.
+    """
+    return _block_forward(hidden, lm_head, targets, temperature)[0]
+
+
+def _block_fwd(hidden, lm_head, targets, temperature):  # type: ignore[no-untyped-def]
+    out, lse = _block_forward(hidden, lm_head, targets, temperature)
+    return out, (hidden, lm_head, targets, temperature, lse)
+
+
+def _block_bwd(residuals, cotangents):  # type: ignore[no-untyped-def]
+    hidden, lm_head, targets, temperature, lse = residuals
+    scale = cotangents[0] / temperature  # d logprob / d logit = onehot(target) - softmax, over T
+    probs = jnp.exp(_block_logits(hidden, lm_head, temperature) - lse[:, None])
+    d_logits = (-probs * scale[:, None]).at[jnp.arange(targets.shape[0]), targets].add(scale)
+    d_hidden = jnp.dot(d_logits, lm_head.T, preferred_element_type=jnp.float32)
+    d_lm_head = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
+    return (
+        d_hidden.astype(hidden.dtype),
+        d_lm_head.astype(lm_head.dtype),
+        None,
+        jnp.zeros_like(temperature),
+    )
+
+
+_block_logprobs_and_entropy.defvjp(_block_fwd, _block_bwd)
 
 
 def next_token_logprobs_and_entropy(
@@ -289,9 +324,8 @@ def next_token_logprobs_and_entropy(
     """Per-position logprob of the next token and entropy of the next-token distribution.
 
     The logits are computed block by block of positions (``block_tokens``; by default as many as
-    fit :data:`LOGITS_BLOCK_BYTES`), and each block's logits are recomputed in the backward pass
-    rather than stored, so peak memory stays one block of ``[positions, vocab]`` whatever the
-    batch. A batch that fits one block is computed in one go.
+    fit :data:`LOGITS_BLOCK_BYTES`), and recomputed in the backward pass rather than stored, so
+    peak memory stays about one block of ``[positions, vocab]`` whatever the batch.
 
     Args:
         model: the policy.
@@ -326,7 +360,7 @@ def next_token_logprobs_and_entropy(
     )
     block = block_tokens or max(1, LOGITS_BLOCK_BYTES // (4 * model.Vocab.size))
     if block >= n:
-        token_logprobs, entropy = _block_logprobs_and_entropy(*flat, lm_head)
+        token_logprobs, entropy = _block_logprobs_and_entropy(flat[0], lm_head, *flat[1:])
     else:
         blocks = -(-n // block)
         # Padding rows get temperature 1: a zero there would put NaNs into the gradients.
@@ -334,7 +368,9 @@ def next_token_logprobs_and_entropy(
             jnp.pad(x, [(0, blocks * block - n)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
             for x, fill in zip(flat, (0, 0, 1))
         ]
-        per_block = jax.checkpoint(lambda xs: _block_logprobs_and_entropy(*xs, lm_head))
+        def per_block(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+            return _block_logprobs_and_entropy(xs[0], lm_head, *xs[1:])
+
         token_logprobs, entropy = jax.lax.map(
             per_block, tuple(x.reshape(blocks, block, *x.shape[1:]) for x in padded)
         )
