@@ -294,12 +294,14 @@ def check_model(config: RLJobConfig) -> list[str]:
     exists and is a supported architecture, its tokenizer loads and fits its vocabulary, and
     ``max_seq_len`` fits its context length. Returns error lines; raises :class:`ConfigError`
     for a checkpoint that cannot be found at all."""
-    from marin_rl_core.pretrained import check_vocab, context_length
+    from marin_rl_core.pretrained import check_vocab, context_length, read_pretrained_info
     from marin_rl_core.tokenizer import model_tokenizer
 
     model = config.model
     if not model.checkpoint and model.tokenizer in ("auto", "arithmetic"):
         return []
+    if model.checkpoint:
+        read_pretrained_info(model.checkpoint)  # exists, and an architecture marinrl trains
     try:
         tokenizer = model_tokenizer(model)
     except ValueError as exc:

@@ -343,8 +343,12 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a Hugging Face tokenizer from {str(path)!r}: {exc}") from exc
+    except Exception as exc:  # transformers raises OSError, ValueError, TypeError ... here
+        raise ValueError(
+            f"could not load a Hugging Face tokenizer from {str(path)!r} ({type(exc).__name__}: "
+            f"{exc}); the directory needs tokenizer.json or tokenizer_config.json with its "
+            "vocabulary files"
+        ) from exc
     return HFTokenizer(hf, extra_stop_ids=_generation_eos_ids(path))
 
 

@@ -256,6 +256,21 @@ def test_a_missing_checkpoint_or_unreachable_hub_id_says_what_to_do(cli, tmp_pat
     result = cli("run", "--model", str(tmp_path / "missing"), "--set", f'run_dir="{tmp_path}"')
     assert result.exit_code == ExitCode.CONFIG
     assert "does not exist" in result.output and "hub id" in result.output
+    # A checkpoint of another architecture, and one without tokenizer files.
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text('{"model_type": "gpt2", "vocab_size": 100}')
+    result = cli("run", "--model", str(tmp_path / "gpt2"), "--set", f'run_dir="{tmp_path}"')
+    assert result.exit_code == ExitCode.CONFIG and "'gpt2' checkpoint" in result.output
+    assert "llama, qwen2, qwen3" in result.output
+    (tmp_path / "qwen3-no-tokenizer").mkdir()
+    (tmp_path / "qwen3-no-tokenizer" / "config.json").write_text(
+        '{"model_type": "qwen3", "vocab_size": 100}'
+    )
+    result = cli(
+        "run", "--model", str(tmp_path / "qwen3-no-tokenizer"), "--set", f'run_dir="{tmp_path}"'
+    )
+    assert result.exit_code == ExitCode.CONFIG
+    assert "$.model.tokenizer: could not load a Hugging Face tokenizer" in result.output
     (tmp_path / "empty").mkdir()
     result = cli("run", "--model", str(tmp_path / "empty"), "--set", f'run_dir="{tmp_path}"')
     assert result.exit_code == ExitCode.CONFIG and "no config.json" in result.output
