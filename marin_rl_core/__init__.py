@@ -50,6 +50,7 @@ from marin_rl_core.types import (
     RolloutGroup,
     RolloutMetadata,
     SamplingParams,
+    Score,
 )
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "RolloutStorage",
     "RolloutWriter",
     "SamplingParams",
+    "Score",
     "StoragePlugin",
     "UnknownPluginError",
     "WeightTransfer",

@@ -381,9 +381,17 @@ def eval_command(
         from rich.console import Console
         from rich.table import Table
 
-        table = Table("lesson", "reward", "problems", title=f"eval of {results['checkpoint']}")
-        for lesson, row in results["lessons"].items():
-            table.add_row(lesson, f"{row['reward']:.3f}", str(row["n"]))
+        rows = results["lessons"]
+        # The envs' Score metrics (format, correct ...), after reward and problems.
+        extra = list(
+            dict.fromkeys(k for row in rows.values() for k in row if k not in ("reward", "n"))
+        )
+        table = Table(
+            "lesson", "reward", "problems", *extra, title=f"eval of {results['checkpoint']}"
+        )
+        for lesson, row in rows.items():
+            cells = [f"{row[k]:.3f}" if k in row else "" for k in extra]
+            table.add_row(lesson, f"{row['reward']:.3f}", str(row["n"]), *cells)
         Console().print(table)
 
     _guarded(go)

@@ -20,7 +20,9 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Score ``path`` (a run directory or one of its checkpoints) on every lesson.
 
-    Returns ``{"checkpoint": str, "step": int, "lessons": {id: {"reward": float, "n": int}}}``.
+    Returns ``{"checkpoint": str, "step": int, "lessons": {id: {"reward": float, "n": int,
+    ...}}}``; a lesson whose env returns :class:`~marin_rl_core.types.Score` s also has each
+    score metric's mean (``"format"``, ``"correct"`` ...).
     """
     import json
 
@@ -53,7 +55,7 @@ def evaluate_checkpoint(
         "checkpoint": str(checkpoint),
         "step": step,
         "lessons": {
-            lesson: {"reward": stats.mean_reward, "n": stats.n_rollouts}
+            lesson: {"reward": stats.mean_reward, "n": stats.n_rollouts, **stats.metrics}
             for lesson, (stats, _) in results.items()
         },
     }

@@ -14,7 +14,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from marin_rl_core.types import LessonConfig, LessonStats, Problem, RolloutBatch, RolloutGroup
+from marin_rl_core.types import (
+    LessonConfig,
+    LessonStats,
+    Problem,
+    RolloutBatch,
+    RolloutGroup,
+    Score,
+)
 
 Mode = Literal["train", "eval"]
 
@@ -35,8 +42,12 @@ class Env(Protocol):
         them, each once, instead. The same ``seed`` gives the same problems."""
         ...
 
-    def score(self, problem: Problem, response: str) -> float:
-        """Return the reward of ``response`` (decoded text, stop token removed) for ``problem``."""
+    def score(self, problem: Problem, response: str) -> float | Score:
+        """Return the reward of ``response`` (decoded text, stop token removed) for ``problem``:
+        a float, or a :class:`~marin_rl_core.types.Score` holding the reward and metrics to
+        report beside it (``Score(0.0, {"format": 1.0, "correct": 0.0})``). Each metric is
+        averaged over a batch's rollouts and logged as ``rollout/score/<name>`` for training
+        batches and ``eval/<lesson>/<name>`` in evaluation."""
         ...
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 
 from marin_rl_core.config import RLJobConfig, lesson_env_config
@@ -32,9 +33,14 @@ from marin_rl_core.types import (
     RolloutGroup,
     RolloutMetadata,
     SamplingParams,
+    as_score,
 )
 
 logger = logging.getLogger(__name__)
+
+SCORE_METRIC_PREFIX = "score/"
+"""``sample_batch`` reports the mean of each :class:`~marin_rl_core.types.Score` metric under
+this prefix (``score/correct``)."""
 
 
 def batch_stats(lesson_id: str, batch: RolloutBatch | None, step: int) -> LessonStats:
@@ -75,17 +81,22 @@ class RolloutManager:
         self.registry = registry
         self.tokenizer = tokenizer
         self.curriculum = curriculum
-        self.lessons: dict[str, LessonConfig] = {lesson.id: lesson for lesson in config.curriculum.lessons}
+        self.lessons: dict[str, LessonConfig] = {
+            lesson.id: lesson for lesson in config.curriculum.lessons
+        }
         self._envs: dict[str, Env] = {}
         self._errors_logged: set[str] = set()
         biggest = max(
             [
-                config.sampling_for(lesson).n_prompts * config.sampling_for(lesson).n_generations_per_prompt
+                config.sampling_for(lesson).n_prompts
+                * config.sampling_for(lesson).n_generations_per_prompt
                 for lesson in self.lessons.values()
             ]
             + [config.eval.n_examples * config.eval.sampling.n_generations_per_prompt]
         )
-        stops = {len(self._stop_tokens(config.sampling_for(lesson))) for lesson in self.lessons.values()}
+        stops = {
+            len(self._stop_tokens(config.sampling_for(lesson))) for lesson in self.lessons.values()
+        }
         self._engine = SamplingEngine(
             model,
             max_seq_len=config.model.max_seq_len,
@@ -151,7 +162,9 @@ class RolloutManager:
 
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
         attached to every rollout, and metrics: ``reward``, ``env_errors``, ``frac_truncated``,
-        ``tokens``, ``generated_tokens``, ``seconds``, ``tokens_per_second``.
+        ``tokens``, ``generated_tokens``, ``seconds``, ``tokens_per_second``, and
+        ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
+        averaged over the rollouts that report it.
         """
         lesson = self.lessons[lesson_id]
         if sampling is None:
@@ -211,12 +224,15 @@ class RolloutManager:
         )
         groups: list[RolloutGroup] = []
         generated = 0
+        score_metrics: dict[str, list[float]] = {}
         for problem, prompt, problem_samples in zip(kept, prompts, samples):
             rollouts = []
+            group_metrics: list[Mapping[str, float]] = []
             try:
                 for sample in problem_samples:
                     text_tokens = [int(t) for t in sample.tokens if int(t) not in stop_set]
-                    reward = float(env.score(problem, self.tokenizer.decode(text_tokens)))
+                    score = as_score(env.score(problem, self.tokenizer.decode(text_tokens)))
+                    group_metrics.append(score.metrics)
                     generated += int(sample.tokens.size)
                     rollouts.append(
                         Rollout(
@@ -226,7 +242,7 @@ class RolloutManager:
                             prompt_tokens=prompt,
                             response_tokens=sample.tokens,
                             response_logprobs=sample.logprobs,
-                            reward=reward,
+                            reward=score.reward,
                             truncated=not sample.stopped,
                             metadata=metadata,
                         )
@@ -236,6 +252,9 @@ class RolloutManager:
                 env_errors += 1
                 continue
             groups.append(RolloutGroup(rollouts=rollouts))
+            for rollout_metrics in group_metrics:
+                for name, value in rollout_metrics.items():
+                    score_metrics.setdefault(name, []).append(value)
         batch = RolloutBatch(groups=groups) if groups else None
         rollouts_all = batch.rollouts if batch else []
         metrics = {
@@ -249,6 +268,8 @@ class RolloutManager:
             "seconds": seconds,
             "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
         }
+        for name, values in score_metrics.items():
+            metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))
         return batch, metrics
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -266,11 +287,12 @@ class RolloutManager:
     ) -> tuple[LessonStats, RolloutBatch | None]:
         """Score held-out problems of one lesson with the eval sampling params.
 
-        ``eval_type="eval"`` reports the result to the curriculum (it can unlock or graduate
-        lessons); ``"micro_eval"`` only returns it.
+        The stats' ``metrics`` are the means of the env's :class:`~marin_rl_core.types.Score`
+        metrics. ``eval_type="eval"`` reports the result to the curriculum (it can unlock or
+        graduate lessons); ``"micro_eval"`` only returns it.
         """
         sampling = self.config.eval.sampling
-        batch, _ = self.sample_batch(
+        batch, metrics = self.sample_batch(
             lesson_id,
             n_examples=n_examples,
             n_generations=sampling.n_generations_per_prompt,
@@ -280,7 +302,14 @@ class RolloutManager:
             worker_id=worker_id,
             sampling=sampling,
         )
-        stats = batch_stats(lesson_id, batch, step)
+        stats = attrs.evolve(
+            batch_stats(lesson_id, batch, step),
+            metrics={
+                name.removeprefix(SCORE_METRIC_PREFIX): value
+                for name, value in metrics.items()
+                if name.startswith(SCORE_METRIC_PREFIX)
+            },
+        )
         if eval_type == "eval" and self.curriculum is not None:
             self.curriculum.update_eval(stats)
         return stats, batch

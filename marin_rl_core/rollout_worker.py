@@ -128,6 +128,8 @@ class RolloutWorker:
         for lesson_id, (stats, _) in results.items():
             metrics[f"eval/{lesson_id}/reward"] = stats.mean_reward
             metrics[f"eval/{lesson_id}/n"] = stats.n_rollouts
+            for name, value in stats.metrics.items():  # the env's Score metrics
+                metrics[f"eval/{lesson_id}/{name}"] = value
         for lesson_id, state in self.curriculum.lesson_states().items():
             metrics[f"curriculum/{lesson_id}/state"] = state
         self._log(metrics, step=step, source="eval")
@@ -171,7 +173,10 @@ class RolloutWorker:
                     worker_id=self.worker_id,
                 )
                 self._log(
-                    {f"micro_eval/{lesson_id}/reward": stats.mean_reward},
+                    {
+                        f"micro_eval/{lesson_id}/reward": stats.mean_reward,
+                        **{f"micro_eval/{lesson_id}/{k}": v for k, v in stats.metrics.items()},
+                    },
                     step=self.weight_step,
                     source="rollout",
                 )

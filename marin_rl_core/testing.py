@@ -44,6 +44,7 @@ from marin_rl_core.types import (
     Problem,
     Rollout,
     RolloutGroup,
+    Score,
 )
 
 
@@ -83,7 +84,7 @@ def _protocol(record: PluginRecord) -> type:
 
 
 def check_env(record: EnvPlugin) -> None:
-    """Contract of an env: problems per mode and seed, determinism, a float score."""
+    """Contract of an env: problems per mode and seed, determinism, a float or ``Score``."""
     env = record.build(check_config_class(record))
     assert isinstance(env, protocols.Env), f"env {record.name!r}: build() must return an Env"
     for mode in ("train", "eval"):
@@ -93,7 +94,10 @@ def check_env(record: EnvPlugin) -> None:
         assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
         for problem in problems:
             assert isinstance(problem.prompt, str) and (problem.prompt or problem.messages)
-            assert isinstance(env.score(problem, problem.answer), float)
+            score = env.score(problem, problem.answer)
+            assert isinstance(score, float | Score), (
+                f"env {record.name!r}: score() must return a float or a Score, got {score!r}"
+            )
     if record.default_lessons is not None:
         lessons = list(record.default_lessons(record.config_class()))
         assert lessons and all(isinstance(lesson, LessonConfig) for lesson in lessons)

@@ -4,9 +4,10 @@ A leaf module: it depends on numpy and attrs only, so the CLI can import it with
 Every class is frozen; build a changed copy with ``attrs.evolve``.
 
 Flow: an :class:`~marin_rl_core.protocols.Env` hands out :class:`Problem` s and scores
-responses; the rollout side turns each (problem, sampled response) into a :class:`Rollout`,
-attaches :class:`RolloutMetadata` (the env never sees it), groups the samples of one problem
-into a :class:`RolloutGroup` and ships :class:`RolloutBatch` es through rollout storage to the
+responses (a float, or a :class:`Score` with metrics beside the reward); the rollout side turns
+each (problem, sampled response) into a :class:`Rollout`, attaches :class:`RolloutMetadata`
+(the env never sees it), groups the samples of one problem into a :class:`RolloutGroup` and
+ships :class:`RolloutBatch` es through rollout storage to the
 trainer's replay buffer.
 """
 
@@ -93,6 +94,43 @@ class Problem:
     def __attrs_post_init__(self) -> None:
         if not self.prompt and not self.messages:
             raise ValueError(f"problem {self.id!r} needs a prompt or chat messages")
+
+
+RESERVED_SCORE_METRICS = ("reward", "n")
+"""Metric names a :class:`Score` may not use: eval logs ``eval/<lesson>/reward`` and ``/n``."""
+
+
+def _score_metrics(value: Mapping[str, Any]) -> Mapping[str, float]:
+    metrics = {str(name): float(v) for name, v in dict(value).items()}
+    for name in metrics:
+        if not name or name in RESERVED_SCORE_METRICS:
+            raise ValueError(
+                f"Score metric name {name!r} is not allowed (empty, or one of "
+                f"{', '.join(RESERVED_SCORE_METRICS)}, which eval already reports); rename it"
+            )
+    return metrics
+
+
+@attrs.frozen
+class Score:
+    """An env's grade of one response: the reward, and metrics reported beside it.
+
+    ``Env.score`` returns a float or a ``Score``. Each metric (``{"format": 1.0, "correct":
+    0.0}``) is averaged over the rollouts of a batch and logged as ``rollout/score/<name>``
+    for training batches and ``eval/<lesson>/<name>`` in evaluation; only ``reward`` trains.
+
+    Args:
+        reward: the episode reward.
+        metrics: named numbers about the response, such as whether it was well formed.
+    """
+
+    reward: float = attrs.field(converter=float)
+    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_score_metrics)
+
+
+def as_score(value: float | Score) -> Score:
+    """What ``Env.score`` returned, as a :class:`Score` (a plain number has no metrics)."""
+    return value if isinstance(value, Score) else Score(float(value))
 
 
 @attrs.frozen(kw_only=True)
@@ -212,9 +250,19 @@ class LessonConfig:
 
 @attrs.frozen(kw_only=True)
 class LessonStats:
-    """What the rollout side reports to the curriculum about one lesson after a batch or eval."""
+    """What the rollout side reports to the curriculum about one lesson after a batch or eval.
+
+    Args:
+        lesson_id: the lesson.
+        mean_reward: the mean reward of its rollouts.
+        n_rollouts: how many rollouts were scored.
+        step: the trainer step whose weights sampled them.
+        metrics: the env's :class:`Score` metrics, each averaged over the rollouts that report
+            it (evaluation fills them; empty for an env whose ``score`` returns plain floats).
+    """
 
     lesson_id: str
     mean_reward: float
     n_rollouts: int
     step: int
+    metrics: Mapping[str, float] = attrs.field(factory=dict)

@@ -61,6 +61,8 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
         "flaky", n_examples=6, n_generations=4, mode="train", seed=0, weight_step=7, worker_id="w"
     )
     assert metrics["env_errors"] == 1
+    # A plain float score is the reward, with no score metrics beside it.
+    assert not [k for k in metrics if k.startswith("score/")]
     assert sorted(g.rollouts[0].problem_id for g in batch.groups) == ["0", "1", "2", "4", "5"]
     assert all(len(g.rollouts) == 4 for g in batch.groups)
     assert all(r.metadata.weight_step == 7 and r.metadata.worker_id == "w" for r in batch.rollouts)
@@ -70,7 +72,7 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     stats, _ = manager.evaluate_lesson(
         "flaky", n_examples=6, eval_type="eval", seed=1, step=0, weight_step=0, worker_id="w"
     )
-    assert stats.n_rollouts == 5
+    assert stats.n_rollouts == 5 and stats.metrics == {}
 
 
 def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_path, tiny_mock_job):
