@@ -6,8 +6,9 @@ shape, plus one reference-model forward when the loss uses a KL penalty, and nee
 its peak memory. The cross-entropy step is levanter's own ``compute_next_token_loss`` (blockwise
 over the vocabulary, 32,768 tokens a block, when the vocabulary is larger than that, as one would
 train a Qwen-sized vocabulary). Everything is measured side by side in this one process with the
-same optimizer and the same jitted step wrapper (``marin_rl_core.trainer.make_train_step``); peak
-memory is XLA's own figure for each compiled step (temporaries, arguments and outputs).
+same optimizer and the same learner (``marin_rl_core.trainer.Learner``: levanter's trainer
+machinery with the run's mesh and precision policy); peak memory is XLA's own figure for each
+compiled step (temporaries, arguments and outputs).
 
     python bench/step_time.py [--repeats 30] [--set trainer.batch_size=256 ...]
     # a small Qwen3-shaped checkpoint with Qwen's real 151,936-token vocabulary:
@@ -64,7 +65,7 @@ def main() -> None:
     from marin_rl_core.model import next_token_logprobs
     from marin_rl_core.rollout_manager import RolloutManager
     from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model, make_optimizer, make_train_step
+    from marin_rl_core.trainer import Learner, initial_model
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     registry = build_registry()
@@ -145,28 +146,17 @@ def main() -> None:
         return hax.sum(next_token_logprobs(m, b.input_ids) * b.loss_mask).scalar()
 
     reference_forward = jax.jit(reference_forward)
-    optimizer = make_optimizer(config.trainer)
 
-    def peak_bytes(step_fn, like) -> int:
-        m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, like)
-        opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
-        compiled = step_fn.lower(tb, m, opt_state, jax.random.PRNGKey(0)).compile()
-        stats = compiled.compiled.memory_analysis()  # equinox wraps the jax.stages.Compiled
-        return int(
-            stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
-        )
+    def copy(tree):
+        return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, tree)
 
-    def timed(step_fn, like=model) -> list[float]:
-        m = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, like)
-        opt_state = optimizer.init(eqx.filter(m, eqx.is_inexact_array))
-        key = jax.random.PRNGKey(0)
-        m, opt_state, loss, _ = step_fn(tb, m, opt_state, key)  # compile
-        jax.block_until_ready(loss)
+    def timed(learner, like) -> list[float]:
+        state = learner.init_state(copy(like), key=jax.random.PRNGKey(0))
+        state, _, _ = learner.step(state, tb)  # compile
         out = []
         for _ in range(args.repeats):
             start = time.perf_counter()
-            m, opt_state, loss, _ = step_fn(tb, m, opt_state, key)
-            jax.block_until_ready(loss)
+            state, _, _ = learner.step(state, tb)  # returns host floats: the step is done
             out.append(time.perf_counter() - start)
         return out
 
@@ -182,20 +172,25 @@ def main() -> None:
     # As the trainer does: a frozen copy of the initial model when the loss asks for one.
     loss_record = registry.get("loss", config.loss.name)
     loss_module = loss_record.build(config.loss.config)
+    hf = bool(config.model.checkpoint)
+    rl_learner = Learner(config.trainer, hf_checkpoint=hf)
     reference = None
     if loss_module.needs_reference_model:
-        reference = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
-    rl_loss = loss_module.build(reference)
-    rl_step = make_train_step(rl_loss.create_loss_fn(reference, model), optimizer)
-    ce_step = make_train_step(ce_loss, optimizer)
+        reference = rl_learner.shard(rl_learner.mp.cast_to_compute(copy(model)))
+    rl_learner.set_loss(loss_module.build(reference).create_loss_fn(reference, model))
+    ce_learner = Learner(config.trainer, hf_checkpoint=hf)
+    ce_learner.set_loss(ce_loss)
 
     # Interleave the two so drift on a shared machine hits both alike.
     rl_times, ce_times = [], []
     for _ in range(3):
-        ce_times += timed(ce_step, ce_model)
-        rl_times += timed(rl_step)
+        ce_times += timed(ce_learner, ce_model)
+        rl_times += timed(rl_learner, model)
     fwd_times = timed_forward()
     rl, ce, fwd = (statistics.median(t) for t in (rl_times, ce_times, fwd_times))
+    print(
+        f"learner: {rl_learner.sizes} on {jax.device_count()} device(s), precision {rl_learner.mp}"
+    )
     print(
         f"batch {size} x {config.model.max_seq_len} tokens, model {model.config.hidden_dim}d x "
         f"{model.config.num_layers} layers, loss {config.loss.name} (kl_coef={getattr(config.loss.config, 'kl_coef', '-')})"
@@ -203,7 +198,12 @@ def main() -> None:
     print(f"cross-entropy step      {ce * 1e3:8.2f} ms (median of {len(ce_times)})")
     print(f"RL step                 {rl * 1e3:8.2f} ms (median of {len(rl_times)})")
     print(f"reference forward       {fwd * 1e3:8.2f} ms")
-    ce_mem, rl_mem = peak_bytes(ce_step, ce_model), peak_bytes(rl_step, model)
+    ce_mem = ce_learner.peak_memory_bytes(
+        ce_learner.init_state(copy(ce_model), key=jax.random.PRNGKey(0)), tb
+    )
+    rl_mem = rl_learner.peak_memory_bytes(
+        rl_learner.init_state(copy(model), key=jax.random.PRNGKey(0)), tb
+    )
     full_logits = size * config.model.max_seq_len * vocab * 4
     print(
         f"peak memory             CE {ce_mem / 2**20:8.1f} MiB, RL {rl_mem / 2**20:8.1f} MiB: "

@@ -1,14 +1,19 @@
-"""Trainer checkpoints: model, optimizer state and run state, written atomically.
+"""Trainer checkpoints: levanter's sharded TensorStore checkpoints plus the run's own state.
 
 Layout inside ``RUN_DIR/checkpoints/``::
 
-    step-000050/  model.eqx  opt_state.eqx  state.json   (curriculum state, step, replay stats)
+    step-000050/  model/ opt_state/ step/ training_key/ ...   levanter's TensorStore arrays
+                  metadata.json                                levanter's (step, time)
+                  state.json                                   curriculum state, step
     latest        the name of the newest complete checkpoint
 
-Arrays are stored with ``equinox.tree_serialise_leaves`` (``.npy`` data, no pickle) and read back
-into a template of the same structure, so nothing executable is ever loaded. A checkpoint
-directory is written under a temporary name and renamed when complete: a crash mid-write never
-leaves a checkpoint that looks whole.
+The trainer state (model, optimizer state, step, key: levanter's ``TrainerState``) is written with
+:func:`levanter.checkpoint.save_checkpoint`, each device writing its own shards, and read back
+with :func:`levanter.checkpoint.load_checkpoint` into whatever mesh the reader has: a checkpoint
+saved on 4 devices resumes on 1 or 2, and ``marinrl export`` reads the model on one CPU. Arrays are
+TensorStore data read into a template of the same structure (no pickle), so nothing executable
+is ever loaded. A checkpoint directory is written under a temporary name and renamed when
+complete: a crash mid-write never leaves a checkpoint that looks whole.
 """
 
 from __future__ import annotations
@@ -19,7 +24,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from marin_rl_core.errors import ExitCode, MarinRLError
+
 CHECKPOINT_DIR = "checkpoints"
+STATE_FILE = "state.json"
+
+
+class CheckpointError(MarinRLError):
+    """A checkpoint that cannot be read (missing, of an older format, or damaged)."""
+
+    exit_code = ExitCode.CONFIG
 
 
 def _root(run_dir: str | Path) -> Path:
@@ -30,24 +44,21 @@ def save_checkpoint(
     run_dir: str | Path,
     step: int,
     *,
-    model: Any,
-    opt_state: Any = None,
+    trainer_state: Any,
     state: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` and keep the newest ``keep`` of them. Returns its directory."""
-    import equinox as eqx
+    """Write checkpoint ``step`` (a levanter ``TrainerState`` and the JSON-able ``state``) and
+    keep the newest ``keep`` of them. Returns its directory."""
+    import levanter.checkpoint
 
     root = _root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     tmp = root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    eqx.tree_serialise_leaves(tmp / "model.eqx", model)
-    if opt_state is not None:
-        eqx.tree_serialise_leaves(tmp / "opt_state.eqx", opt_state)
-    (tmp / "state.json").write_text(json.dumps({"step": step, **(state or {})}, indent=2))
+    levanter.checkpoint.save_checkpoint(trainer_state, step, str(tmp), is_temporary=False)
+    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(state or {})}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest_tmp = root / ".latest.tmp"
@@ -58,15 +69,19 @@ def save_checkpoint(
     return final
 
 
+def _complete(path: Path) -> bool:
+    return (path / STATE_FILE).exists() and (path / "metadata.json").exists()
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The newest complete checkpoint of a run, or ``None``."""
     root = _root(run_dir)
     marker = root / "latest"
     if marker.exists():
         path = root / marker.read_text().strip()
-        if (path / "state.json").exists():
+        if _complete(path):
             return path
-    complete = [p for p in sorted(root.glob("step-*")) if (p / "state.json").exists()]
+    complete = [p for p in sorted(root.glob("step-*")) if _complete(p)]
     return complete[-1] if complete else None
 
 
@@ -74,32 +89,52 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory or a run directory (meaning its latest checkpoint)."""
     path = Path(path)
     if (path / "model.eqx").exists():
+        raise CheckpointError(
+            f"{path} is a checkpoint of an earlier marinrl (model.eqx), which this version cannot "
+            "read; train again, or export it with the marinrl version that wrote it"
+        )
+    if _complete(path):
         return path
     found = latest_checkpoint(path)
     if found is None:
-        raise FileNotFoundError(
-            f"no checkpoint in {path} (expected {path}/{CHECKPOINT_DIR}/step-*)"
+        raise CheckpointError(
+            f"no checkpoint in {path} (expected {path}/{CHECKPOINT_DIR}/step-*/{STATE_FILE})"
         )
     return found
 
 
+def read_state(checkpoint: str | Path) -> dict[str, Any]:
+    """A checkpoint's ``state.json`` (``step``, ``curriculum``, ...)."""
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
+def load_trainer_state(
+    checkpoint: str | Path, like: Any, *, axis_mapping: Any = None, mesh: Any = None
+) -> Any:
+    """Read a checkpoint's trainer state into ``like`` (a ``TrainerState`` or its shapes),
+    sharded by ``axis_mapping`` over ``mesh`` (any number of devices)."""
+    import levanter.checkpoint
+
+    return levanter.checkpoint.load_checkpoint(
+        like, str(checkpoint), discover_latest=False, axis_mapping=axis_mapping, mesh=mesh
+    )
+
+
 def load_model(checkpoint: str | Path, like: Any) -> Any:
-    """Read a checkpoint's model into a template of the same structure."""
-    import equinox as eqx
+    """Read only a checkpoint's model into ``like`` (a model of the same structure), replicated
+    on this process's devices."""
+    import haliax as hax
+    import jax
+    import levanter.checkpoint
+    import numpy as np
 
-    return eqx.tree_deserialise_leaves(Path(checkpoint) / "model.eqx", like)
-
-
-def load_checkpoint(
-    checkpoint: str | Path, *, model_like: Any, opt_state_like: Any = None
-) -> tuple[Any, Any, dict[str, Any]]:
-    """Read ``(model, opt_state, state)``; ``opt_state`` is ``None`` when not asked for."""
-    import equinox as eqx
-
-    checkpoint = Path(checkpoint)
-    model = load_model(checkpoint, model_like)
-    opt_state = None
-    if opt_state_like is not None and (checkpoint / "opt_state.eqx").exists():
-        opt_state = eqx.tree_deserialise_leaves(checkpoint / "opt_state.eqx", opt_state_like)
-    state = json.loads((checkpoint / "state.json").read_text())
-    return model, opt_state, state
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
+    with hax.partitioning.set_mesh(mesh):
+        return levanter.checkpoint.load_checkpoint(
+            like,
+            str(checkpoint),
+            subpath="model",
+            discover_latest=False,
+            axis_mapping={},
+            mesh=mesh,
+        )

@@ -51,6 +51,9 @@ class ModelConfig:
             shape (ignored when ``checkpoint`` is set: the checkpoint's own config wins).
         max_seq_len: the most tokens (prompt + response) a sequence may have; at most a
             checkpoint's ``max_position_embeddings``.
+        inference_dtype: the rollout workers' inference engine dtype: ``"auto"`` (``bfloat16``
+            for a Hugging Face checkpoint, ``float32`` for the default model), ``"float32"`` or
+            ``"bfloat16"``. Behaviour log-probabilities come from this engine.
     """
 
     checkpoint: str = ""
@@ -63,6 +66,61 @@ class ModelConfig:
     num_heads: int = 4
     num_kv_heads: int = 4
     max_seq_len: int = 16
+    inference_dtype: str = attrs.field(
+        default="auto", validator=one_of("auto", "float32", "bfloat16")
+    )
+
+    @property
+    def resolved_inference_dtype(self) -> str:
+        if self.inference_dtype != "auto":
+            return self.inference_dtype
+        return "bfloat16" if self.checkpoint else "float32"
+
+
+PRECISIONS = {"f32": "f32", "bf16": "p=f32,c=bfloat16", "bf16-params": "bfloat16"}
+
+
+def _check_precision(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    if value == "auto" or value in PRECISIONS:
+        return
+    import jmp
+
+    try:
+        jmp.get_policy(value)
+    except ValueError as exc:
+        raise FieldValueError(
+            attribute.name,
+            f"{value!r} is not a precision: use auto, {', '.join(PRECISIONS)} or a jmp policy "
+            f"such as 'p=f32,c=bfloat16' ({exc})",
+        ) from None
+
+
+@attrs.frozen(kw_only=True)
+class MeshConfig:
+    """How the learner lays its devices out (levanter's mesh). Devices are split into
+    ``data_parallel`` replicas × FSDP × ``tensor_parallel``: each replica holds a full copy of the
+    parameters; within one, parameters and optimizer state are sharded (FSDP) over the remaining
+    devices along ``fsdp_axis``, and ``tensor_parallel_axes`` are split over ``tensor_parallel``
+    devices. The batch is split over replicas × FSDP devices. The default (1, 1) is pure FSDP
+    over every device the trainer has (on one device: no sharding at all).
+
+    Args:
+        data_parallel: replicas; ``-1``: every device not used for tensor parallelism, i.e. pure
+            data parallelism with replicated parameters.
+        tensor_parallel: devices each tensor-parallel axis is split over.
+        fsdp_axis: the parameter axis sharded by FSDP (levanter's logical axis names).
+        tensor_parallel_axes: the parameter axes split by tensor parallelism.
+    """
+
+    data_parallel: int = attrs.field(default=1)
+    tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    fsdp_axis: str = "embed"
+    tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads")
+
+    @data_parallel.validator
+    def _check_dp(self, attribute: attrs.Attribute, value: int) -> None:
+        if value != -1 and value < 1:
+            raise FieldValueError(attribute.name, f"must be >= 1 or -1 (all devices), got {value}")
 
 
 def _check_min_lr_ratio(instance: Any, attribute: attrs.Attribute, value: float) -> None:
@@ -83,21 +141,46 @@ class TrainerConfig:
             ``min_lr_ratio * learning_rate`` at ``num_train_steps``, or ``"constant"``.
         min_lr_ratio: the final learning rate as a fraction of the peak.
         weight_decay: AdamW weight decay.
+        adam_eps: AdamW's epsilon (added to the root of the second moment).
         max_grad_norm: global gradient-norm clip; 0 disables it.
         sync_interval_steps: publish weights to rollout workers every this many steps.
         checkpoint_interval_steps: save a checkpoint every this many steps (and at the end).
+        precision: the mixed-precision policy: ``"auto"`` (``bf16`` for a Hugging Face
+            checkpoint, ``f32`` for the default model), ``"f32"``, ``"bf16"`` (float32
+            parameters and optimizer state, bfloat16 compute), ``"bf16-params"`` (bfloat16
+            everywhere) or any ``jmp`` policy string.
+        microbatch_size: rollouts per forward/backward pass; the gradients of
+            ``batch_size / microbatch_size`` micro-batches are accumulated into one step, so a
+            batch need not fit in device memory at once. 0: the whole batch at once. The loss is
+            the mean of the micro-batches' losses (each a mean over its response tokens).
+        mesh: the learner's device mesh (:class:`MeshConfig`).
     """
 
     num_train_steps: int = 2000
     batch_size: int = 256
     learning_rate: float = 1e-3
     warmup_steps: int = 5
-    lr_schedule: str = attrs.field(default="cosine", validator=one_of("cosine", "linear", "constant"))
+    lr_schedule: str = attrs.field(
+        default="cosine", validator=one_of("cosine", "linear", "constant")
+    )
     min_lr_ratio: float = attrs.field(default=0.1, validator=_check_min_lr_ratio)
     weight_decay: float = 0.5
+    adam_eps: float = attrs.field(default=1e-8, validator=attrs.validators.gt(0.0))
     max_grad_norm: float = 1.0
     sync_interval_steps: int = 1
     checkpoint_interval_steps: int = 250
+    precision: str = attrs.field(default="auto", validator=_check_precision)
+    microbatch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    mesh: MeshConfig = MeshConfig()
+
+    def mp_policy(self, *, hf_checkpoint: bool) -> Any:
+        """The ``jmp.Policy`` of :attr:`precision`."""
+        import jmp
+
+        name = self.precision
+        if name == "auto":
+            name = "bf16" if hf_checkpoint else "f32"
+        return jmp.get_policy(PRECISIONS.get(name, name))
 
 
 @attrs.frozen(kw_only=True)
@@ -216,7 +299,9 @@ class LoggingConfig:
 
     progress: bool = True
     tracker: tuple[str, ...] = attrs.field(
-        default=("jsonl",), converter=tuple, validator=attrs.validators.deep_iterable(one_of(*TRACKERS))
+        default=("jsonl",),
+        converter=tuple,
+        validator=attrs.validators.deep_iterable(one_of(*TRACKERS)),
     )
     log_every: int = 1
     samples_per_step: int = 2
@@ -435,7 +520,9 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, FieldValueError):
         return f"{_FIELD_MARK}{exc.field}{_FIELD_MARK}{exc}"
     type_name = (
-        None if type_ is None else getattr(type_, "__name__", None) or str(type_).replace("typing.", "")
+        None
+        if type_ is None
+        else getattr(type_, "__name__", None) or str(type_).replace("typing.", "")
     )
     if isinstance(exc, TypeError | ValueError):
         return f"{exc} (expected {type_name})" if type_name else str(exc)
@@ -671,9 +758,16 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
                 f"{path}.n_generations_per_prompt ({sampling.n_generations_per_prompt}), so "
                 "training batches would split groups"
             )
+    micro = config.trainer.microbatch_size
+    if micro and config.trainer.batch_size % micro:
+        errors.append(
+            f"$.trainer.microbatch_size: {micro} does not divide $.trainer.batch_size "
+            f"({config.trainer.batch_size}); pick a divisor such as "
+            f"{max(d for d in range(1, micro + 1) if config.trainer.batch_size % d == 0)}"
+        )
     if "tensorboard" in config.logging.tracker and importlib.util.find_spec("tensorboardX") is None:
         errors.append(
-            "$.logging.tracker: \"tensorboard\" needs the tensorboardX package, which is not "
+            '$.logging.tracker: "tensorboard" needs the tensorboardX package, which is not '
             "installed: pip install 'marin-rl[tensorboard]'"
         )
     if config.num_rollout_workers < 1:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import haliax as hax
@@ -70,8 +71,10 @@ class SamplingEngine:
         max_stop_tokens: the most stop tokens (EOS included) a request may have.
         page_size: tokens per KV-cache page; default (and at least) ``max_seq_len``, see the
             module docstring.
-        compute_dtype: KV-cache dtype (float32 keeps sampler and trainer logprobs identical up to
-            float rounding).
+        compute_dtype: the dtype the engine runs in: the model's floating-point parameters
+            (cast on the way in, here and in :meth:`update_model`) and the KV cache. float32 keeps
+            sampler and trainer logprobs identical up to float rounding; bfloat16 halves memory
+            and is what accelerators run fastest.
     """
 
     def __init__(
@@ -105,8 +108,19 @@ class SamplingEngine:
             enable_logprobs=True,
             compute_dtype=compute_dtype,
         )
-        self._model = model
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self._model = self._cast(model)
         self._engine = self._new_engine()
+
+    def _cast(self, model: LmHeadModel) -> LmHeadModel:
+        dtype = self.compute_dtype
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+                return x if x.dtype == dtype else jnp.asarray(x, dtype=dtype)
+            return x
+
+        return jax.tree.map(cast, model)
 
     def _new_engine(self) -> InferenceEngine:
         return InferenceEngine.from_model_with_config(
@@ -119,7 +133,9 @@ class SamplingEngine:
 
     def update_model(self, model: LmHeadModel) -> None:
         """Sample from ``model`` from now on. It must have the same structure and shapes as the
-        current model (new weights of the same architecture); anything else is rejected."""
+        current model (new weights of the same architecture); anything else is rejected. Its
+        floating-point parameters are cast to the engine's ``compute_dtype``."""
+        model = self._cast(model)
         same_structure = jax.tree.structure(self._model) == jax.tree.structure(model)  # type: ignore[operator]
         if not same_structure or any(
             a.shape != b.shape or a.dtype != b.dtype
@@ -169,7 +185,9 @@ class SamplingEngine:
                     f"prompt {i} has {len(prompt)} tokens; prompts need 1..{self.max_seq_len - 1} "
                     f"tokens (max_seq_len={self.max_seq_len})"
                 )
-        stop_array = hax.named(jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position"))
+        stop_array = hax.named(
+            jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position")
+        )
         base_key = jax.random.PRNGKey(seed)
 
         results: list[list[Sample]] = []
@@ -214,7 +232,11 @@ class SamplingEngine:
         start = 0
         while start < len(prompts):
             end, tokens = start, 0
-            while end < len(prompts) and end - start < max_prompts and tokens + len(prompts[end]) <= budget:
+            while (
+                end < len(prompts)
+                and end - start < max_prompts
+                and tokens + len(prompts[end]) <= budget
+            ):
                 tokens += len(prompts[end])
                 end += 1
             if end == start:

@@ -103,6 +103,7 @@ class RolloutManager:
             eos_id=tokenizer.eos_id,
             max_seqs=min(biggest, 512),
             max_stop_tokens=max(stops | {len(self._stop_tokens(config.eval.sampling))}),
+            compute_dtype=config.model.resolved_inference_dtype,
         )
 
     # --- model --------------------------------------------------------------------------------

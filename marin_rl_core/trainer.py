@@ -1,9 +1,10 @@
 """The learner: replay buffer in, optimizer steps, weights and checkpoints out.
 
 :class:`Trainer` builds the policy (the same initial weights every rollout worker builds from
-the run's seed), the loss plugin, an optax AdamW optimizer and one jitted train step made from
-the loss plugin's ``create_loss_fn``. A frozen copy of the initial policy is kept as the
-reference model only when the loss asks for one.
+the run's seed), the loss plugin and a :class:`Learner`: levanter's trainer machinery (device
+mesh, sharded parameters and optimizer state, mixed precision, gradient accumulation, TensorStore
+checkpoints) around an optax AdamW optimizer and the loss plugin's ``create_loss_fn``. A frozen
+copy of the initial policy is kept as the reference model only when the loss asks for one.
 
 Each step waits until the replay buffer can hand out ``trainer.batch_size`` rollouts, trains on
 them, advances the buffer's notion of "current step" (which drops stale rollouts), publishes
@@ -17,19 +18,21 @@ a later run with the same run directory resumes from it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from marin_rl_core.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from marin_rl_core.config import RLJobConfig, TrainerConfig
-from marin_rl_core.errors import MarinRLError
+from marin_rl_core.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from marin_rl_core.config import MeshConfig, RLJobConfig, TrainerConfig
+from marin_rl_core.errors import ConfigError, MarinRLError
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import Rollout
@@ -48,6 +51,22 @@ def initial_model(config: RLJobConfig, tokenizer: Any) -> Any:
     from marin_rl_core.model import build_model
 
     return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed))
+
+
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating-point arrays in ``dtype`` (others, and arrays already in it,
+    unchanged)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return x.astype(dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
 
 
 def make_schedule(t: TrainerConfig) -> Any:
@@ -76,30 +95,249 @@ def make_optimizer(t: TrainerConfig) -> Any:
     parts = []
     if t.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(t.max_grad_norm))
-    parts.append(optax.adamw(make_schedule(t), b1=0.9, b2=0.99, weight_decay=t.weight_decay))
+    parts.append(
+        optax.adamw(make_schedule(t), b1=0.9, b2=0.99, eps=t.adam_eps, weight_decay=t.weight_decay)
+    )
     return optax.chain(*parts)
 
 
-def make_train_step(loss_fn: Callable[..., Any], optimizer: Any) -> Callable[..., Any]:
-    """One jitted optimizer step. The model and optimizer state are donated: the caller keeps
-    only what the step returns."""
-    import equinox as eqx
-    import optax
+def _metric(name: str, value: Any) -> Any:
+    """A loss metric as a levanter ``Metric``, reduced over micro-batches by its name: summed for
+    ``num_*``/``total_*``/``*_count``/``*_total``/``*_sum``, max/min for ``*_max``/``*_min``,
+    averaged otherwise (levanter's rules, without its message for every other name)."""
+    from levanter.metrics import Metric, ReductionType
 
-    @eqx.filter_jit(donate="all-except-first")
-    def train_step(batch: Any, model: Any, opt_state: Any, key: Any) -> Any:
-        def objective(m: Any) -> Any:
-            return loss_fn(m, batch, key=key)
+    if isinstance(value, Metric):
+        return value
+    lower = name.lower()
+    if lower.startswith(("num_", "total_")) or lower.endswith(("_count", "_total", "_sum")):
+        reduction = ReductionType.SUM
+    elif lower.endswith("_max") or lower.startswith("max_"):
+        reduction = ReductionType.MAX
+    elif lower.endswith("_min") or lower.startswith("min_"):
+        reduction = ReductionType.MIN
+    else:
+        reduction = ReductionType.MEAN
+    return Metric.from_value(value, reduction)
 
-        (loss, metrics), grads = eqx.filter_value_and_grad(objective, has_aux=True)(model)
-        params = eqx.filter(model, eqx.is_inexact_array)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        model = eqx.apply_updates(model, updates)
-        metrics = dict(metrics)
-        metrics["grad_norm"] = optax.global_norm(grads)
-        return model, opt_state, loss, metrics
 
-    return train_step
+def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        loss, metrics = loss_fn(*args, **kwargs)
+        return loss, {k: _metric(k, v) for k, v in metrics.items()}
+
+    return wrapped
+
+
+class _CaptureTracker:
+    """A levanter tracker that keeps the metrics levanter's train step logs, for our own rows."""
+
+    name = "marinrl-capture"
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+
+    def init(self, run_id: str | None) -> _CaptureTracker:  # levanter's TrackerConfig API
+        return self
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        pass
+
+    def log(self, metrics: Any, *, step: int | None, commit: bool | None = None) -> None:
+        self.latest.update(metrics)
+
+    def log_summary(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_artifact(
+        self, artifact_path: Any, *, name: str | None = None, type: str | None = None
+    ) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def mesh_sizes(
+    mesh: MeshConfig, n_devices: int, batch_size: int, microbatch_size: int = 0
+) -> dict[str, int]:
+    """``{"data_parallel", "fsdp", "tensor_parallel", "batch_shards"}`` of ``mesh`` on
+    ``n_devices``; raises :class:`~marin_rl_core.errors.ConfigError` for a layout that does not
+    fit (the message says what would)."""
+    tp = mesh.tensor_parallel
+    dp = n_devices // tp if mesh.data_parallel == -1 else mesh.data_parallel
+    if dp < 1 or n_devices % (dp * tp):
+        raise ConfigError(
+            f"$.trainer.mesh: the trainer has {n_devices} device(s), which cannot be split into "
+            f"data_parallel={mesh.data_parallel} x tensor_parallel={tp} groups; choose sizes whose "
+            f"product divides {n_devices}"
+        )
+    fsdp = n_devices // (dp * tp)
+    shards = dp * fsdp
+    rows = microbatch_size or batch_size
+    if rows % shards:
+        what = "microbatch_size" if microbatch_size else "batch_size"
+        raise ConfigError(
+            f"$.trainer.{what}: {rows} rows cannot be split evenly over the {shards} data shards "
+            f"of the trainer's {n_devices} device(s) (data_parallel={dp} x fsdp={fsdp}); use a "
+            f"multiple of {shards}"
+        )
+    return {"data_parallel": dp, "fsdp": fsdp, "tensor_parallel": tp, "batch_shards": shards}
+
+
+class Learner:
+    """levanter's :class:`levanter.trainer.Trainer`, set up from marinrl's ``[trainer]`` config and
+    stepped one batch at a time (the RL loop, not levanter's data loader, decides when).
+
+    It brings levanter's device mesh and axis mappings (``trainer.mesh``: replicas x FSDP x
+    tensor parallel over every device this process sees), sharded parameters and optimizer state
+    (``TrainerState``), the mixed-precision policy (``trainer.precision``), gradient accumulation
+    over micro-batches (``trainer.microbatch_size``) and levanter's gradient-norm watch.
+
+    The mesh exists from construction (:meth:`shard` places a reference model on it); the loss
+    comes after (:meth:`set_loss`), since a KL loss is built from that sharded reference.
+
+    Args:
+        config: the ``[trainer]`` section.
+        hf_checkpoint: whether the model comes from a Hugging Face checkpoint (``precision =
+            "auto"`` is then bf16 compute).
+        run_id: levanter's run id (names nothing on disk here).
+    """
+
+    def __init__(
+        self, config: TrainerConfig, *, hf_checkpoint: bool = False, run_id: str = "marinrl"
+    ):
+        import jax
+        import levanter.trainer
+
+        from marin_rl_core.training_batch import BATCH
+
+        sizes = mesh_sizes(
+            config.mesh, jax.device_count(), config.batch_size, config.microbatch_size
+        )
+        self.sizes = sizes
+        self.tracker = _CaptureTracker()
+        micro = config.microbatch_size
+        self.levanter_config = levanter.trainer.TrainerConfig(
+            mp=config.mp_policy(hf_checkpoint=hf_checkpoint),
+            tracker=self.tracker,  # type: ignore[arg-type]
+            id=run_id,
+            batch_axis=BATCH,
+            fsdp_axis=config.mesh.fsdp_axis,
+            tensor_parallel_axes=list(config.mesh.tensor_parallel_axes),
+            replica_ici_axis_size=sizes["data_parallel"],
+            model_axis_size=sizes["tensor_parallel"],
+            train_batch_size=config.batch_size,
+            per_device_parallelism=(micro or config.batch_size) // sizes["batch_shards"],
+            num_train_steps=config.num_train_steps,
+            crash_on_nan=False,
+            crash_on_inf=False,
+            log_jaxprs=False,
+            log_xla_hlo=False,
+            require_accelerator=False,
+        )
+        self.mesh = self.levanter_config.device_mesh
+        self.parameter_axis_mapping = self.levanter_config.parameter_axis_mapping
+        self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
+        self.optimizer = make_optimizer(config)
+        self.trainer: Any = None
+
+    def set_loss(self, loss_fn: Callable[..., Any]) -> None:
+        """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` (a loss plugin's
+        ``create_loss_fn`` result) from now on."""
+        import levanter.trainer
+        from levanter.callbacks.watch import WatchCallback
+
+        self.trainer = levanter.trainer.Trainer(
+            self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
+        )
+        # The global gradient norm (before clipping), as levanter's watch computes it.
+        self.trainer.add_hook(
+            WatchCallback(
+                watch_targets=["grads"], include_norms=True, include_per_parameter_norms=False
+            ),
+            every=1,
+        )
+
+    def _trainer(self) -> Any:
+        if self.trainer is None:
+            raise RuntimeError("Learner.set_loss must be called before the first step")
+        return self.trainer
+
+    @property
+    def mp(self) -> Any:
+        return self.levanter_config.mp
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        import haliax as hax
+        import levanter
+
+        with (
+            levanter.current_tracker(self.tracker),  # type: ignore[arg-type]
+            hax.partitioning.set_mesh(self.mesh),
+            hax.axis_mapping(self.parameter_axis_mapping),
+            warnings.catch_warnings(),
+        ):
+            # Donation is best effort: XLA keeps a buffer it cannot alias, and says so each time.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            yield
+
+    def shard(self, tree: Any) -> Any:
+        """``tree`` placed on the mesh with the parameter sharding (e.g. a reference model)."""
+        import haliax as hax
+
+        with self._context():
+            return hax.shard(tree, self.parameter_axis_mapping)
+
+    def init_state(self, model: Any, *, key: Any) -> Any:
+        """A fresh, sharded ``TrainerState`` (step 0) of ``model``."""
+        with self._context():
+            return self._trainer().initial_state(key, model=model)
+
+    def restore(self, checkpoint: str | Path, like: Any) -> Any:
+        """``like`` (a ``TrainerState``) with a checkpoint's values, sharded over this mesh."""
+        from marin_rl_core.checkpoint import load_trainer_state
+        from marin_rl_core.model import _Quiet
+
+        # levanter notes every empty slot of the state (no model averaging: None) as "unknown".
+        with self._context(), _Quiet("levanter.tensorstore_serialization", "Unknown leaf type"):
+            return load_trainer_state(
+                checkpoint,
+                like,
+                axis_mapping=self.parameter_axis_mapping,
+                mesh=self.mesh,
+            )
+
+    def peak_memory_bytes(self, state: Any, batch: Any) -> int:
+        """XLA's peak memory estimate of one compiled step on ``(state, batch)``: temporaries,
+        arguments and outputs, per device (for ``bench/step_time.py``)."""
+        import haliax as hax
+
+        with self._context():
+            batch = hax.shard(batch, self.compute_axis_mapping)
+            # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
+            lowered = self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
+            stats = lowered.compile().memory_analysis()
+        return int(
+            stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+        )
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
+        """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""
+        import haliax as hax
+
+        with self._context():
+            batch = hax.shard(batch, self.compute_axis_mapping)
+            self.tracker.latest.clear()
+            info = self._trainer().train_step(state, batch)
+            metrics: dict[str, float] = {}
+            for name, value in self.tracker.latest.items():
+                if name.startswith("train/"):
+                    metrics[name.removeprefix("train/")] = float(np.asarray(value))
+                elif name == "grad/norm/total":
+                    metrics["grad_norm"] = float(np.asarray(value))
+        return info.state, float(info.loss), metrics
 
 
 def zero_variance_fraction(rollouts: list[Rollout]) -> float:
@@ -153,7 +391,8 @@ class Trainer:
 
         self.config = config
         self._temperature = {
-            lesson.id: config.sampling_for(lesson).temperature for lesson in config.curriculum.lessons
+            lesson.id: config.sampling_for(lesson).temperature
+            for lesson in config.curriculum.lessons
         }
         self.run_dir = Path(run_dir)
         self.reader = reader
@@ -165,33 +404,47 @@ class Trainer:
 
         model = initial_model(config, self.tokenizer)
         loss = registry.get("loss", config.loss.name).build(config.loss.config)
+        self.learner = Learner(
+            config.trainer, hf_checkpoint=bool(config.model.checkpoint), run_id=self.run_dir.name
+        )
         reference = None
         if loss.needs_reference_model:
-            # A real copy: the train step donates the policy's buffers.
-            reference = jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
+            # A frozen copy of the initial policy in compute precision, sharded like the policy
+            # (a real copy: the train step donates the policy's buffers).
+            reference = self.learner.shard(
+                self.learner.mp.cast_to_compute(
+                    jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
+                )
+            )
         self.loss = loss.build(reference)
-        self.optimizer = make_optimizer(config.trainer)
+        self.learner.set_loss(self.loss.create_loss_fn(reference, model))
         self._schedule = make_schedule(config.trainer)
-        opt_state = self.optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+        self.state = self.learner.init_state(model, key=jax.random.PRNGKey(config.seed + 1))
+        del model
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
         checkpoint = latest_checkpoint(self.run_dir)
         if checkpoint is not None:
-            model, opt_state, state = load_checkpoint(
-                checkpoint, model_like=model, opt_state_like=opt_state
-            )
-            self.step = int(state["step"])
-            self.resumed_state = state
+            self.state = self.learner.restore(checkpoint, self.state)
+            self.resumed_state = read_state(checkpoint)
+            self.step = int(self.resumed_state["step"])
             logger.info("resumed from %s at step %d", checkpoint, self.step)
-        self.model, self.opt_state = model, opt_state
+        logger.info(
+            "trainer mesh: %s over %d device(s) (%s), precision %s",
+            self.learner.sizes,
+            jax.device_count(),
+            jax.devices()[0].platform,
+            self.learner.mp,
+        )
         self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
         self.replay.set_current_step(self.step)
-        self._train_step = make_train_step(
-            self.loss.create_loss_fn(reference, model), self.optimizer
-        )
-        self._key = jax.random.PRNGKey(config.seed + 1)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
+
+    @property
+    def model(self) -> Any:
+        """The current policy (parameters in the precision policy's parameter dtype)."""
+        return self.state.model
 
     # --- control ------------------------------------------------------------------------------
 
@@ -202,15 +455,18 @@ class Trainer:
     def publish(self) -> None:
         """Send the current weights to rollout workers (once per step at most)."""
         if self.weight_server is not None and self._published_step != self.step:
-            self.weight_server.publish(self.model, weight_step=self.step)
+            # In the rollout engines' dtype: what they sample with, and half the bytes for bf16.
+            self.weight_server.publish(
+                cast_floating(self.state.model, self.config.model.resolved_inference_dtype),
+                weight_step=self.step,
+            )
             self._published_step = self.step
 
     def checkpoint(self) -> Path:
         path = save_checkpoint(
             self.run_dir,
             self.step,
-            model=self.model,
-            opt_state=self.opt_state,
+            trainer_state=self.state,
             state={"curriculum": self._curriculum_state()},
         )
         self.last_checkpoint_step = self.step
@@ -238,8 +494,6 @@ class Trainer:
 
     def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
         """One optimizer step on ``rollouts``; returns its metrics (host floats)."""
-        import jax
-
         from marin_rl_core.training_batch import training_batch_from_rollouts
 
         # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
@@ -252,12 +506,9 @@ class Trainer:
             temperature=temperature,
             batch_size=self.config.trainer.batch_size,
         )
-        self._key, key = jax.random.split(self._key)
         start = time.perf_counter()
-        model, opt_state, loss, metrics = self._train_step(batch, self.model, self.opt_state, key)
-        loss = float(loss)
+        state, loss, out = self.learner.step(self.state, batch)
         seconds = time.perf_counter() - start
-        out = {k: float(np.asarray(v)) for k, v in metrics.items()}
         out["loss"] = loss
         out["step_seconds"] = seconds
         bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
@@ -268,7 +519,7 @@ class Trainer:
                 f"{self.run_dir / 'checkpoints'}; lower trainer.learning_rate or raise "
                 "trainer.max_grad_norm's strictness and resume from it."
             )
-        self.model, self.opt_state = model, opt_state
+        self.state = state
         self.step += 1
         return out
 

@@ -117,7 +117,7 @@ def test_a_second_run_resumes_from_the_checkpoint(first_run):
     train = [r for r in read_metrics(again.run_dir) if r["source"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # 5 and 6 come from the resumed run
     assert again.final_step == 6
-    assert (Path(again.run_dir) / "checkpoints" / "step-000006" / "model.eqx").exists()
+    assert (Path(again.run_dir) / "checkpoints" / "step-000006" / "state.json").exists()
 
 
 def test_report_draws_the_reward_curve(first_run, cli):

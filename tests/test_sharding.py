@@ -1,0 +1,97 @@
+"""The learner on a device mesh: 4 simulated CPU devices train exactly like 1, and a checkpoint
+saved on 4 devices resumes on 1 and on 2.
+
+Each device count is its own process (``tests/sharded_step.py``): XLA fixes the number of
+simulated devices (``--xla_force_host_platform_device_count``) when JAX starts. Every layout
+takes the same two RL steps (rloo with a KL penalty, so the reference model is sharded too)
+from the same initial weights on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).with_name("sharded_step.py")
+LAYOUTS = {
+    # name: (trainer overrides, expected (data_parallel, fsdp, tensor_parallel) on 4 devices)
+    "fsdp": ("", (1, 4, 1)),
+    "dp": ("mesh.data_parallel=-1", (4, 1, 1)),
+    "tp": ("mesh.tensor_parallel=2", (1, 2, 2)),
+    "micro": ("microbatch_size=4", (1, 4, 1)),
+}
+
+
+def _run(devices: int, out: Path, *args: str) -> dict[str, np.ndarray]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(devices), str(out), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.ndarray]]:
+    tmp = tmp_path_factory.mktemp("sharding")
+    layouts = [f"--layout={name}={overrides}" for name, (overrides, _) in LAYOUTS.items()]
+    four = _run(4, tmp / "four.npz", *layouts, "--save", str(tmp / "ckpt"))
+    one = _run(1, tmp / "one.npz", "--layout=base=", "--layout=micro=microbatch_size=2")
+    one_resumed = _run(1, tmp / "one_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
+    two_resumed = _run(2, tmp / "two_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
+    return {"four": four, "one": one, "one_resumed": one_resumed, "two_resumed": two_resumed}
+
+
+def _params(run: dict[str, np.ndarray], layout: str, step: int) -> list[np.ndarray]:
+    prefix = f"{layout}/params{step}/"
+    return [
+        run[k]
+        for k in sorted(
+            (k for k in run if k.startswith(prefix)), key=lambda k: int(k.rsplit("/", 1)[1])
+        )
+    ]
+
+
+def _assert_same_params(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b) and len(a) > 0
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_step_on_four_devices_equals_the_step_on_one(runs, layout):
+    four, one = runs["four"], runs["one"]
+    assert tuple(four[f"{layout}/sizes"]) == LAYOUTS[layout][1]
+    # FSDP and tensor parallelism really split the parameters; data parallelism replicates them.
+    assert bool(four[f"{layout}/sharded"]) == (layout != "dp")
+    for step in (1, 2):
+        np.testing.assert_allclose(four[f"{layout}/loss{step}"], one[f"base/loss{step}"], rtol=1e-5)
+        np.testing.assert_allclose(
+            four[f"{layout}/grad_norm{step}"], one[f"base/grad_norm{step}"], rtol=1e-5
+        )
+        _assert_same_params(_params(four, layout, step), _params(one, "base", step))
+
+
+def test_gradient_accumulation_on_one_device_equals_the_whole_batch(runs):
+    one = runs["one"]
+    for step in (1, 2):
+        np.testing.assert_allclose(one[f"micro/loss{step}"], one[f"base/loss{step}"], rtol=1e-5)
+        _assert_same_params(_params(one, "micro", step), _params(one, "base", step))
+
+
+@pytest.mark.parametrize("resumed", ["one_resumed", "two_resumed"])
+def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
+    """Step 2 taken after restoring the 4-device checkpoint of step 1 on 1 or 2 devices equals
+    step 2 of the uninterrupted 4-device run."""
+    four, other = runs["four"], runs[resumed]
+    np.testing.assert_allclose(other["fsdp/loss2"], four["fsdp/loss2"], rtol=1e-5)
+    _assert_same_params(_params(other, "fsdp", 2), _params(four, "fsdp", 2))
