@@ -54,6 +54,9 @@ class ModelConfig:
         inference_dtype: the rollout workers' inference engine dtype: ``"auto"`` (``bfloat16``
             for a Hugging Face checkpoint, ``float32`` for the default model), ``"float32"`` or
             ``"bfloat16"``. Behaviour log-probabilities come from this engine.
+        inference_tensor_parallel: how many of a rollout worker's devices its inference engine
+            splits the model's attention heads and MLP over (tensor parallelism); 1 keeps the
+            model on one device. Must divide the worker's device count (``resources.rollout``).
     """
 
     checkpoint: str = ""
@@ -69,6 +72,7 @@ class ModelConfig:
     inference_dtype: str = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16")
     )
+    inference_tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     @property
     def resolved_inference_dtype(self) -> str:
@@ -109,13 +113,15 @@ class MeshConfig:
             data parallelism with replicated parameters.
         tensor_parallel: devices each tensor-parallel axis is split over.
         fsdp_axis: the parameter axis sharded by FSDP (levanter's logical axis names).
-        tensor_parallel_axes: the parameter axes split by tensor parallelism.
+        tensor_parallel_axes: the parameter axes split by tensor parallelism (levanter's names:
+            the MLP's ``mlp``, attention's ``heads`` and ``kv_head``); each must divide by
+            ``tensor_parallel``, e.g. a model's key/value heads.
     """
 
     data_parallel: int = attrs.field(default=1)
     tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     fsdp_axis: str = "embed"
-    tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads")
+    tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads", "kv_head")
 
     @data_parallel.validator
     def _check_dp(self, attribute: attrs.Attribute, value: int) -> None:

@@ -27,8 +27,9 @@ Notes on levanter's engine that shaped this wrapper:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -71,6 +72,10 @@ class SamplingEngine:
         max_stop_tokens: the most stop tokens (EOS included) a request may have.
         page_size: tokens per KV-cache page; default (and at least) ``max_seq_len``, see the
             module docstring.
+        mesh: a device mesh to shard the model over (with ``axis_mapping``); ``None`` keeps it on
+            one device. See :func:`inference_mesh`.
+        axis_mapping: logical axis -> mesh axis (levanter's compute axis mapping), e.g.
+            ``{"heads": "model", "mlp": "model"}`` for tensor parallelism.
         compute_dtype: the dtype the engine runs in: the model's floating-point parameters
             (cast on the way in, here and in :meth:`update_model`) and the KV cache. float32 keeps
             sampler and trainer logprobs identical up to float rounding; bfloat16 halves memory
@@ -88,7 +93,10 @@ class SamplingEngine:
         max_stop_tokens: int = 4,
         page_size: int | None = None,
         compute_dtype: jnp.dtype = jnp.float32,
+        mesh: Any = None,
+        axis_mapping: Any = None,
     ) -> None:
+        self.mesh, self.axis_mapping = mesh, dict(axis_mapping or {})
         page_size = max(page_size or max_seq_len, max_seq_len)
         pages_per_seq = -(-max_seq_len // page_size)
         self.max_seq_len = max_seq_len
@@ -109,8 +117,25 @@ class SamplingEngine:
             compute_dtype=compute_dtype,
         )
         self.compute_dtype = jnp.dtype(compute_dtype)
-        self._model = self._cast(model)
-        self._engine = self._new_engine()
+        self._model = self._place(model)
+        with self._on_mesh():
+            self._engine = self._new_engine()
+
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        if self.mesh is None:
+            yield
+            return
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.axis_mapping):
+            yield
+
+    def _place(self, model: LmHeadModel) -> LmHeadModel:
+        """``model`` in the engine's dtype, sharded over its mesh (if it has one)."""
+        model = self._cast(model)
+        if self.mesh is not None:
+            with self._on_mesh():
+                model = hax.shard(model, self.axis_mapping)
+        return model
 
     def _cast(self, model: LmHeadModel) -> LmHeadModel:
         dtype = self.compute_dtype
@@ -134,8 +159,9 @@ class SamplingEngine:
     def update_model(self, model: LmHeadModel) -> None:
         """Sample from ``model`` from now on. It must have the same structure and shapes as the
         current model (new weights of the same architecture); anything else is rejected. Its
-        floating-point parameters are cast to the engine's ``compute_dtype``."""
-        model = self._cast(model)
+        floating-point parameters are cast to the engine's ``compute_dtype`` and sharded over its
+        mesh."""
+        model = self._place(model)
         same_structure = jax.tree.structure(self._model) == jax.tree.structure(model)  # type: ignore[operator]
         if not same_structure or any(
             a.shape != b.shape or a.dtype != b.dtype
@@ -211,8 +237,9 @@ class SamplingEngine:
                         enable_logprobs=True,
                     )
                 )
-            out = self._engine.generate(requests)
-            self._check_engine_drained()
+            with self._on_mesh():
+                out = self._engine.generate(requests)
+                self._check_engine_drained()
             stop_set = set(stops)
             for j in range(len(chunk)):
                 samples = []
@@ -255,4 +282,31 @@ class SamplingEngine:
         self._engine = self._new_engine()
 
 
-__all__ = ["Sample", "SamplingEngine"]
+def inference_mesh(
+    tensor_parallel: int, axes: Sequence[str] = ("mlp", "heads", "kv_head")
+) -> tuple[Any, dict[str, Any]]:
+    """``(mesh, axis_mapping)`` for a :class:`SamplingEngine` that splits ``axes`` of the model over
+    ``tensor_parallel`` of this process's devices (levanter's mesh: the rest replicate).
+
+    Raises:
+        ConfigError: when ``tensor_parallel`` does not divide the device count.
+    """
+    import levanter.trainer
+
+    from marin_rl_core.errors import ConfigError
+
+    n = jax.device_count()
+    if tensor_parallel < 1 or n % tensor_parallel:
+        raise ConfigError(
+            f"$.model.inference_tensor_parallel: {tensor_parallel} does not divide the rollout "
+            f"worker's {n} device(s); use a divisor of {n} (resources.rollout sets its devices)"
+        )
+    config = levanter.trainer.TrainerConfig(
+        model_axis_size=tensor_parallel,
+        tensor_parallel_axes=list(axes),
+        require_accelerator=False,
+    )
+    return config.device_mesh, dict(config.compute_axis_mapping)
+
+
+__all__ = ["Sample", "SamplingEngine", "inference_mesh"]

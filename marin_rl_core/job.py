@@ -121,10 +121,33 @@ class CurriculumProxy:
         raise NotImplementedError("the job restores curriculum state when it creates the service")
 
 
-class TrainerService:
+class _SetUpError:
+    """A :class:`MarinRLError` raised while an actor sets up (a trainer mesh that does not fit
+    its devices, say) is kept and re-raised by its next method call: Ray reports an exception of
+    an actor's ``__init__`` only as ``ActorDiedError``, without the exception itself, so the
+    message and exit code would be lost."""
+
+    _setup_error: MarinRLError | None = None
+
+    def _set_up(self, fn: Any) -> None:
+        try:
+            fn()
+        except MarinRLError as exc:
+            logging.getLogger(__name__).exception("set-up failed")
+            self._setup_error = exc
+
+    def _check(self) -> None:
+        if self._setup_error is not None:
+            raise self._setup_error
+
+
+class TrainerService(_SetUpError):
     """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up."""
 
     def __init__(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any):
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
+
+    def _build(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any) -> None:
         _worker_logging(wc.run_dir, "trainer")
         from marin_rl_core.trainer import Trainer
 
@@ -145,28 +168,38 @@ class TrainerService:
         )
 
     def ready(self) -> dict[str, Any]:
+        self._check()
         return {"address": self.server.address, "step": self.trainer.step}
 
     def run(self) -> int:
+        self._check()
         try:
             return self.trainer.run()
         finally:
             logging.getLogger(__name__).info("trainer stopped at step %d", self.trainer.step)
 
     def stop(self) -> None:
-        self.trainer.request_stop()
+        if self._setup_error is None:
+            self.trainer.request_stop()
 
     def step(self) -> int:
+        self._check()
         return self.trainer.step
 
     def close(self) -> None:
-        self.server.close()
+        if self._setup_error is None:
+            self.server.close()
 
 
-class RolloutService:
+class RolloutService(_SetUpError):
     """One rollout worker process (a Ray actor)."""
 
     def __init__(self, wc: WorkerConfig, storage: Any, address: str, curriculum: Any, hub: Any):
+        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub))
+
+    def _build(
+        self, wc: WorkerConfig, storage: Any, address: str, curriculum: Any, hub: Any
+    ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         from marin_rl_core.rollout_worker import RolloutWorker
 
@@ -185,15 +218,19 @@ class RolloutService:
         )
 
     def run(self) -> dict[str, int]:
+        self._check()
         return self.worker.run()
 
     def stop(self) -> None:
-        self.worker.request_stop()
+        if self._setup_error is None:
+            self.worker.request_stop()
 
     def final_eval(self, step: int) -> dict[str, float]:
+        self._check()
         return self.worker.final_eval(step)
 
     def counters(self) -> dict[str, int]:
+        self._check()
         return self.worker.counters()
 
 
@@ -250,7 +287,10 @@ def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
     cluster: dict[str, float] = {}
     for node in nodes:
         for name, amount in node.items():
-            if not name.startswith(("node:", "accelerator_type:")) and name != "object_store_memory":
+            if (
+                not name.startswith(("node:", "accelerator_type:"))
+                and name != "object_store_memory"
+            ):
                 cluster[name] = cluster.get(name, 0.0) + amount
     roles = [
         ("trainer", "resources.trainer", config.resources.trainer.requested(), 1),

@@ -97,8 +97,17 @@ class RolloutManager:
         stops = {
             len(self._stop_tokens(config.sampling_for(lesson))) for lesson in self.lessons.values()
         }
+        mesh, axis_mapping = None, None
+        if config.model.inference_tensor_parallel > 1:
+            from marin_rl_core.inference import inference_mesh
+
+            mesh, axis_mapping = inference_mesh(
+                config.model.inference_tensor_parallel, config.trainer.mesh.tensor_parallel_axes
+            )
         self._engine = SamplingEngine(
             model,
+            mesh=mesh,
+            axis_mapping=axis_mapping,
             max_seq_len=config.model.max_seq_len,
             eos_id=tokenizer.eos_id,
             max_seqs=min(biggest, 512),

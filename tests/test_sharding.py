@@ -95,3 +95,57 @@ def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
     four, other = runs["four"], runs[resumed]
     np.testing.assert_allclose(other["fsdp/loss2"], four["fsdp/loss2"], rtol=1e-5)
     _assert_same_params(_params(other, "fsdp", 2), _params(four, "fsdp", 2))
+
+
+@pytest.mark.parametrize(
+    ("devices", "tp", "dtype", "tolerance"),
+    [(4, 4, "float32", 1e-4), (4, 2, "bfloat16", 0.1)],
+    ids=["tp4-float32", "tp2-bfloat16"],
+)
+def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scores(
+    tmp_path, devices, tp, dtype, tolerance
+):
+    """The inference engine split over a worker's devices (tensor parallelism) reports, for each
+    token it samples, the logprob the trainer computes for it (to float32 rounding; bfloat16
+    weights move logprobs by a few hundredths), and decodes greedily like one device."""
+    import json
+
+    out = tmp_path / "sampling.json"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    script = Path(__file__).with_name("sharded_sampling.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(devices), str(tp), dtype, str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["devices"] == devices and got["sharded"]
+    assert got["dtypes"] == [dtype]
+    assert got["n_tokens"] > 12
+    assert got["max_logprob_gap"] < tolerance
+    if dtype == "float32":
+        assert got["greedy_equal"]
+
+
+def test_a_mesh_that_does_not_fit_the_trainers_devices_is_a_config_error(
+    cli, tiny_mock_job, tmp_path
+):
+    """Only the trainer's own process knows its devices; its set-up error still reaches the user
+    as a message and exit code 3, not as Ray's ActorDiedError."""
+    from marin_rl_core.errors import ExitCode
+
+    result = cli(
+        "run",
+        *tiny_mock_job,
+        "--set",
+        "trainer.mesh.tensor_parallel=2",
+        "--set",
+        f'run_dir="{tmp_path}"',
+    )
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert "the trainer has 1 device(s)" in result.output
+    assert "tensor_parallel=2" in result.output
+    assert "Traceback" not in result.output
