@@ -1,5 +1,5 @@
 """Learner step time and peak memory against a plain levanter cross-entropy step of the same
-shape, and rollout tokens/s.
+shape, and rollout tokens/s against a bare levanter ``InferenceEngine`` loop.
 
 Targets (issues 3 and 8): the RL step costs at most 1.3x a cross-entropy step of the same batch
 shape, plus one reference-model forward when the loss uses a KL penalty, and needs at most 1.2x
@@ -86,8 +86,46 @@ def main() -> None:
         weight_step=0,
         worker_id="bench",
     )  # compile
-    gen_times, gen_tokens = [], []
-    for i in range(5):
+    # Rollouts through marinrl (problems, prompts, generation, scoring: the whole sample_batch)
+    # against a bare levanter InferenceEngine loop generating for the same prompts with the same
+    # engine config, interleaved so that drift hits both alike.
+    from levanter.inference.engine import InferenceEngine, Request
+    from levanter.inference.jit_scheduler import SeqDecodingParams
+
+    engine = manager._engine
+    bare = InferenceEngine.from_model_with_config(
+        model=engine.model, tokenizer=None, config=engine._config
+    )
+    stops = list(dict.fromkeys([tokenizer.eos_id, *manager._stop_tokens(sampling)]))
+    stop_array = hax.named(
+        jnp.asarray([[t] for t in stops], dtype=jnp.int32), ("stop_seq", "position")
+    )
+
+    def bare_generate(prompts, seed):
+        requests = [
+            Request(
+                prompt_tokens=[int(t) for t in p],
+                request_id=j,
+                decode_params=SeqDecodingParams(
+                    max_num_tokens=jnp.asarray(
+                        len(p) + min(sampling.max_tokens, config.model.max_seq_len - len(p)),
+                        dtype=jnp.int32,
+                    ),
+                    stop_tokens=stop_array,
+                    temperature=jnp.asarray(sampling.temperature, dtype=jnp.float32),
+                    key=jax.random.PRNGKey(seed * 1000 + j),
+                ),
+                n_generations=sampling.n_generations_per_prompt,
+                enable_logprobs=True,
+            )
+            for j, p in enumerate(prompts)
+        ]
+        out = bare.generate(requests)
+        return sum(len(t) for t in out.tokens)
+
+    gen_times, gen_tokens, bare_times, bare_tokens = [], [], [], []
+    for i in range(6):
+        start = time.perf_counter()
         batch, metrics = manager.sample_batch(
             lesson.id,
             n_examples=sampling.n_prompts,
@@ -97,8 +135,17 @@ def main() -> None:
             weight_step=0,
             worker_id="bench",
         )
-        gen_times.append(metrics["seconds"])
+        elapsed = time.perf_counter() - start
+        prompts = [g.rollouts[0].prompt_tokens for g in batch.groups]
+        start = time.perf_counter()
+        n_bare = bare_generate(prompts, i + 1)
+        bare_elapsed = time.perf_counter() - start
+        if i == 0:
+            continue  # the bare engine's first call compiles
+        gen_times.append(elapsed)
         gen_tokens.append(metrics["generated_tokens"])
+        bare_times.append(bare_elapsed)
+        bare_tokens.append(n_bare)
     rollouts = batch.rollouts
     size = config.trainer.batch_size
     rollouts = (rollouts * (size // len(rollouts) + 1))[:size]
@@ -221,11 +268,17 @@ def main() -> None:
             "(target <= 1.30x: the loss needs one reference forward)"
         )
     tps = sum(gen_tokens) / sum(gen_times)
+    bare_tps = sum(bare_tokens) / sum(bare_times)
     print(
-        f"rollout generation      {tps:8.0f} generated tokens/s "
+        f"rollouts via marinrl    {tps:8.0f} generated tokens/s "
         f"({sampling.n_prompts} prompts x {sampling.n_generations_per_prompt} samples, "
-        f"{statistics.median(gen_times) * 1e3:.1f} ms per batch)"
+        f"{statistics.median(gen_times) * 1e3:.1f} ms per batch: problems, prompts, generation, scoring)"
     )
+    print(
+        f"bare levanter engine    {bare_tps:8.0f} generated tokens/s "
+        f"({statistics.median(bare_times) * 1e3:.1f} ms per batch, same prompts and engine config)"
+    )
+    print(f"marinrl / bare engine   {tps / bare_tps:8.2f}x   (target >= 0.90x)")
 
 
 if __name__ == "__main__":

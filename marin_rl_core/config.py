@@ -764,6 +764,20 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
                 f"{path}.n_generations_per_prompt ({sampling.n_generations_per_prompt}), so "
                 "training batches would split groups"
             )
+    rb, t = config.replay_buffer, config.trainer
+    if t.sync_interval_steps > rb.max_rollout_step_delay + 1:
+        errors.append(
+            f"$.trainer.sync_interval_steps: weights published every {t.sync_interval_steps} steps "
+            f"go stale after $.replay_buffer.max_rollout_step_delay + 1 = "
+            f"{rb.max_rollout_step_delay + 1} steps, so between publishes the trainer would wait "
+            "for rollouts that can never arrive; use sync_interval_steps <= "
+            "max_rollout_step_delay + 1"
+        )
+    if rb.capacity < t.batch_size:
+        errors.append(
+            f"$.replay_buffer.capacity: {rb.capacity} rollouts can never fill a training batch of "
+            f"$.trainer.batch_size = {t.batch_size}; raise the capacity to at least the batch size"
+        )
     micro = config.trainer.microbatch_size
     if micro and config.trainer.batch_size % micro:
         errors.append(

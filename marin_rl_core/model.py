@@ -268,9 +268,14 @@ def _block_forward(
     hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
     logits = _block_logits(hidden, lm_head, temperature)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    # One pass of exp over the vocabulary serves both the log-sum-exp and the entropy:
+    # lse = m + log(s) and entropy = lse - sum(e * logits) / s, with e = exp(logits - m).
+    m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+    e = jnp.exp(logits - m[:, None])
+    s = jnp.sum(e, axis=-1)
+    lse = m + jnp.log(s)
     token_logprobs = jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0] - lse
-    entropy = lse - jnp.sum(jnp.exp(logits - lse[:, None]) * logits, axis=-1)
+    entropy = lse - jnp.sum(e * logits, axis=-1) / s
     return (token_logprobs, entropy), lse
 
 

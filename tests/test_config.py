@@ -145,6 +145,33 @@ def test_batch_size_must_hold_whole_groups(cli):
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["trainer.sync_interval_steps=3", "replay_buffer.max_rollout_step_delay=1"],
+            "$.trainer.sync_interval_steps: weights published every 3 steps go stale after "
+            "$.replay_buffer.max_rollout_step_delay + 1 = 2 steps",
+        ),
+        (
+            ["replay_buffer.capacity=64", "trainer.batch_size=256"],
+            "$.replay_buffer.capacity: 64 rollouts can never fill a training batch",
+        ),
+        (
+            ["trainer.microbatch_size=48", "trainer.batch_size=256"],
+            "$.trainer.microbatch_size: 48 does not divide $.trainer.batch_size (256); pick a "
+            "divisor such as 32",
+        ),
+    ],
+    ids=["sync-slower-than-staleness", "capacity-below-batch", "microbatch-not-a-divisor"],
+)
+def test_settings_that_could_never_feed_the_trainer_are_rejected(cli, overrides, message):
+    args = [a for o in overrides for a in ("--set", o)]
+    result = cli("config", "show", *args)
+    assert result.exit_code == ExitCode.CONFIG
+    assert message in " ".join(result.output.split())
+
+
 def test_missing_config_file_is_a_config_error(cli, tmp_path):
     result = cli("config", "validate", str(tmp_path / "nope.toml"))
     assert result.exit_code == ExitCode.CONFIG
