@@ -124,11 +124,11 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
     """Read only a checkpoint's model into ``like`` (a model of the same structure), replicated
     on this process's devices."""
     import haliax as hax
-    import jax
     import levanter.checkpoint
-    import numpy as np
 
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
+    from marin_rl_core.model import _one_axis_mesh
+
+    mesh = _one_axis_mesh()
     with hax.partitioning.set_mesh(mesh):
         return levanter.checkpoint.load_checkpoint(
             like,

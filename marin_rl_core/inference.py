@@ -41,6 +41,8 @@ from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Re
 from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.model import cast_floating
+
 logger = logging.getLogger(__name__)
 
 
@@ -131,21 +133,11 @@ class SamplingEngine:
 
     def _place(self, model: LmHeadModel) -> LmHeadModel:
         """``model`` in the engine's dtype, sharded over its mesh (if it has one)."""
-        model = self._cast(model)
+        model = cast_floating(model, self.compute_dtype)
         if self.mesh is not None:
             with self._on_mesh():
                 model = hax.shard(model, self.axis_mapping)
         return model
-
-    def _cast(self, model: LmHeadModel) -> LmHeadModel:
-        dtype = self.compute_dtype
-
-        def cast(x: Any) -> Any:
-            if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
-                return x if x.dtype == dtype else jnp.asarray(x, dtype=dtype)
-            return x
-
-        return jax.tree.map(cast, model)
 
     def _new_engine(self) -> InferenceEngine:
         return InferenceEngine.from_model_with_config(

@@ -136,11 +136,27 @@ def _lev_config_class_for(model_type: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
+def cast_floating(tree: Any, dtype: Any) -> Any:
+    """``tree`` with its floating-point arrays in ``dtype`` (others, and arrays already in it,
+    unchanged)."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x: Any) -> Any:
+        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+            return x if x.dtype == dtype else jnp.asarray(x, dtype=dtype)
+        return x
+
+    return jax.tree.map(cast, tree)
+
+
+def _one_axis_mesh() -> Any:
+    return jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
+
+
 def _checkpoint_mesh() -> Any:
     """A one-axis ("data") mesh over the local devices: levanter's checkpoint code places and
     gathers arrays with sharding constraints that need a mesh in context."""
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
-    return hax.partitioning.set_mesh(mesh)
+    return hax.partitioning.set_mesh(_one_axis_mesh())
 
 
 class _Quiet(logging.Filter):

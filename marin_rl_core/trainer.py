@@ -53,22 +53,6 @@ def initial_model(config: RLJobConfig, tokenizer: Any) -> Any:
     return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed))
 
 
-def cast_floating(tree: Any, dtype: Any) -> Any:
-    """``tree`` with its floating-point arrays in ``dtype`` (others, and arrays already in it,
-    unchanged)."""
-    import jax
-    import jax.numpy as jnp
-
-    dtype = jnp.dtype(dtype)
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return x.astype(dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
-
-
 def make_schedule(t: TrainerConfig) -> Any:
     """The learning rate against the optimizer step: linear warmup to ``learning_rate``, then
     ``lr_schedule`` down to ``min_lr_ratio * learning_rate`` at ``num_train_steps``."""
@@ -456,6 +440,8 @@ class Trainer:
         """Send the current weights to rollout workers (once per step at most)."""
         if self.weight_server is not None and self._published_step != self.step:
             # In the rollout engines' dtype: what they sample with, and half the bytes for bf16.
+            from marin_rl_core.model import cast_floating
+
             self.weight_server.publish(
                 cast_floating(self.state.model, self.config.model.resolved_inference_dtype),
                 weight_step=self.step,
