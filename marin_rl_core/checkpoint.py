@@ -19,6 +19,7 @@ complete: a crash mid-write never leaves a checkpoint that looks whole.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -34,6 +35,16 @@ class CheckpointError(MarinRLError):
     """A checkpoint that cannot be read (missing, of an older format, or damaged)."""
 
     exit_code = ExitCode.CONFIG
+
+
+def _quiet_absent_leaves(record: logging.LogRecord) -> bool:
+    """Drop levanter's "Unknown leaf type <class 'NoneType'>" warning: a model's absent parts
+    (the ``lm_head`` of tied embeddings) are None leaves, read as nothing, and the warning only
+    alarms users of ``marinrl export``."""
+    return "Unknown leaf type <class 'NoneType'>" not in record.getMessage()
+
+
+logging.getLogger("levanter.tensorstore_serialization").addFilter(_quiet_absent_leaves)
 
 
 def _root(run_dir: str | Path) -> Path:

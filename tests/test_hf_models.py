@@ -24,7 +24,7 @@ from marin_rl_core import Problem, build_registry
 from marin_rl_core.config import ModelConfig
 from marin_rl_core.errors import ExitCode
 from marin_rl_core.export import trained_model
-from marin_rl_core.model import build_model
+from marin_rl_core.model import build_model, cast_floating
 from marin_rl_core.testing import write_tiny_hf_checkpoint
 from marin_rl_core.tokenizer import HFTokenizer, encode_prompt, model_tokenizer
 
@@ -63,7 +63,10 @@ def _levanter_logits(model, ids):
 
 
 def levanter_logits(model, rows: list[list[int]]) -> np.ndarray:
+    """The model's logits computed in float32 (whatever its parameters' dtype), as
+    ``transformers_logits`` computes them."""
     ids = hax.named(jnp.asarray(rows, dtype=jnp.int32), ("batch", "position"))
+    model = cast_floating(model, jnp.float32)
     return np.asarray(_levanter_logits(model, ids).array, dtype=np.float32)
 
 
@@ -205,11 +208,17 @@ def test_the_guide_trains_a_local_checkpoint_on_jsonl_and_exports_it(
 
 # About 75 s each here, so with `nox -s slow`; the guide's test above covers Qwen3.
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_train_a_checkpoint_with_marinrl_run_then_export_it(cli, checkpoints, family, tmp_path):
+@pytest.mark.parametrize(("family", "precision"), [("llama", "bf16"), ("qwen2", "bf16-params")])
+def test_train_a_checkpoint_with_marinrl_run_then_export_it(
+    cli, checkpoints, family, precision, tmp_path
+):
+    """Trained with bfloat16 compute (``bf16``: float32 parameters) or bfloat16 parameters
+    (``bf16-params``), the export holds the trained parameters in the dtype they were kept in."""
+    from safetensors import safe_open
+
     source = checkpoints[family]
     result = cli(
-        "run", "--model", str(source), *SMALL_JOB,
+        "run", "--model", str(source), *SMALL_JOB, "--set", f'trainer.precision="{precision}"',
         "--set", f'run_dir="{tmp_path}"', "--run-id", family,
     )  # fmt: skip
     assert result.exit_code == 0, result.output
@@ -218,6 +227,9 @@ def test_train_a_checkpoint_with_marinrl_run_then_export_it(cli, checkpoints, fa
     assert exported.exit_code == 0, exported.output
     assert "exported step 3" in exported.output
     check_trained_and_exported(source, tmp_path / family, out, family)
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        dtypes = {weights.get_tensor(name).dtype for name in weights.keys()}
+    assert dtypes == {torch.bfloat16 if precision == "bf16-params" else torch.float32}
 
 
 def test_export_errors_name_the_problem(cli, tmp_path):

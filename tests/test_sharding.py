@@ -149,3 +149,33 @@ def test_a_mesh_that_does_not_fit_the_trainers_devices_is_a_config_error(
     assert "the trainer has 1 device(s)" in result.output
     assert "tensor_parallel=2" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_guides_four_device_command_trains_on_a_sharded_mesh(tmp_path):
+    """docs/hf-models.md's "Try it on CPU" command, as written (plus a few small-job settings:
+    later --set values win), runs the whole job with the trainer over 4 simulated devices."""
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "hf-models.md").read_text()
+    block = text.split("<!-- docs-test: four-cpu-devices -->", 1)[1]
+    command = shlex.split(block.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " "))
+    start = command.index("marinrl")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(assignment.split("=", 1) for assignment in command[:start])
+    argv = command[start:]
+    assert argv[:2] == ["marinrl", "run"] and env["XLA_FLAGS"].endswith("device_count=4")
+    small = ["trainer.num_train_steps=3", "eval.n_examples=8", "eval.frequency=100"]
+    small += [f'run_dir="{tmp_path}"']
+    proc = subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", *argv[1:], "--run-id", "mesh"]
+        + [arg for setting in small for arg in ("--set", setting)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "mesh" / "logs" / "trainer.log").read_text()
+    assert "'data_parallel': 1, 'fsdp': 2, 'tensor_parallel': 2" in log
+    assert "over 4 device(s)" in log
+    assert (tmp_path / "mesh" / "checkpoints").is_dir()
