@@ -22,13 +22,15 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from marin_rl_core.errors import ExitCode, MarinRLError
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.json"
+T = TypeVar("T")
 
 
 class CheckpointError(MarinRLError):
@@ -84,16 +86,61 @@ def _complete(path: Path) -> bool:
     return (path / STATE_FILE).exists() and (path / "metadata.json").exists()
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint of a run, or ``None``."""
+def checkpoints_newest_first(run_dir: str | Path) -> list[Path]:
+    """A run's complete checkpoints, newest first (the ``latest`` marker's one leads)."""
     root = _root(run_dir)
+    complete = [p for p in sorted(root.glob("step-*"), reverse=True) if _complete(p)]
     marker = root / "latest"
-    if marker.exists():
-        path = root / marker.read_text().strip()
-        if _complete(path):
-            return path
-    complete = [p for p in sorted(root.glob("step-*")) if _complete(p)]
-    return complete[-1] if complete else None
+    try:
+        named = root / marker.read_text().strip() if marker.exists() else None
+    except (OSError, UnicodeDecodeError):
+        named = None
+    if named in complete:
+        complete.remove(named)
+        complete.insert(0, named)
+    return complete
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or ``None`` (not checked to be readable: see
+    :func:`load_newest`)."""
+    found = checkpoints_newest_first(run_dir)
+    return found[0] if found else None
+
+
+def load_newest(run_dir: str | Path, load: Callable[[Path], T]) -> tuple[Path, T, list[str]] | None:
+    """``load`` the newest checkpoint of ``run_dir`` that ``load`` can read.
+
+    A damaged checkpoint (a truncated array, a corrupt ``state.json``) is skipped for the one
+    before it, and the returned warnings say so. Returns ``(checkpoint, loaded, warnings)``, or
+    ``None`` when the run has no checkpoint.
+
+    Raises:
+        CheckpointError: every checkpoint is damaged; the message lists why.
+    """
+    candidates = checkpoints_newest_first(run_dir)
+    if not candidates:
+        return None
+    problems: list[str] = []
+    for path in candidates:
+        try:
+            loaded = load(path)
+        except Exception as exc:  # noqa: BLE001 - any failure to read means "damaged"
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            problems.append(f"{path.name}: {type(exc).__name__}: {first}")
+            logging.getLogger(__name__).warning("checkpoint %s is damaged", path, exc_info=True)
+            continue
+        warnings = [
+            f"checkpoint {problem} is damaged and was skipped; resumed from {path.name}"
+            for problem in problems
+        ]
+        return path, loaded, warnings
+    raise CheckpointError(
+        f"no checkpoint of {run_dir} can be read:\n"
+        + "\n".join(f"  {p}" for p in problems)
+        + f"\nStart a new run, or move the damaged ones out of {_root(run_dir)} if an older copy "
+        "exists elsewhere."
+    )
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -115,8 +162,19 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def read_state(checkpoint: str | Path) -> dict[str, Any]:
-    """A checkpoint's ``state.json`` (``step``, ``curriculum``, ...)."""
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    """A checkpoint's ``state.json`` (``step``, ``curriculum``, ...).
+
+    Raises:
+        CheckpointError: the file is missing, not UTF-8 JSON, or has no integer ``step``.
+    """
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path} has no integer 'step': it is damaged")
+    return state
 
 
 def load_trainer_state(

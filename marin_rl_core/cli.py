@@ -110,9 +110,18 @@ def _guarded(fn: Callable[[], T]) -> T:
 
 
 def _registry(plugin: list[str] | None, disable: list[str] | None):  # type: ignore[no-untyped-def]
+    """The registry for a command: its own ``--plugin``/``--disable-plugin`` flags plus those
+    given before the subcommand (``marinrl --plugin m run ...``)."""
     from marin_rl_core.registry import build_registry
 
-    return build_registry(extra=plugin or (), blocked=disable or ())
+    extra = [*_before_subcommand["plugin"], *(plugin or ())]
+    blocked = [*_before_subcommand["disable_plugin"], *(disable or ())]
+    return build_registry(extra=dict.fromkeys(extra), blocked=dict.fromkeys(blocked))
+
+
+# The --plugin / --disable-plugin flags given before the subcommand; set by the root callback at
+# every invocation.
+_before_subcommand: dict[str, list[str]] = {"plugin": [], "disable_plugin": []}
 
 
 def _resolve(
@@ -138,12 +147,14 @@ def _model_override(model: str | None) -> list[str]:
 
 
 @app.callback()
-def main_callback() -> None:
+def main_callback(plugin: PluginOpt = None, disable_plugin: DisableOpt = None) -> None:
     """marinrl: RLOO/PPO post-training of language models on JAX, levanter and Ray.
 
     Every concrete piece (envs, losses, rollout storage, weight transfer, curricula) is a plugin;
     `marinrl plugins list` shows what is installed. Docs: docs/index.md.
     """
+    _before_subcommand["plugin"] = list(plugin or ())
+    _before_subcommand["disable_plugin"] = list(disable_plugin or ())
 
 
 @app.command()
@@ -161,6 +172,14 @@ def run(
         typer.Option(help="Address of a running Ray cluster; default starts a local Ray."),
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="Name of the run directory.")] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            help="Go on with the run in this directory from its newest checkpoint, with its "
+            "saved config (--set may change it, for example trainer.num_train_steps).",
+            rich_help_panel=CONFIG_PANEL,
+        ),
+    ] = None,
     plugin: PluginOpt = None,
     disable_plugin: DisableOpt = None,
 ) -> None:
@@ -173,9 +192,13 @@ def run(
 
     def go() -> None:
         registry = _registry(plugin, disable_plugin)
+        files = config
+        if resume is not None:
+            files = [_resume_config(resume, config=config, run_id=run_id, model=model)]
+            overrides.extend(_resume_overrides(resume))
         cfg = _resolve(
             registry,
-            config=config,
+            config=files,
             set_=set_,
             selections={
                 "env": env,
@@ -309,34 +332,41 @@ def config_validate(
     _guarded(go)
 
 
-def _unwrap_worker_error(exc: BaseException) -> BaseException:
-    """A Ray task error carries the worker's own exception as ``cause``."""
-    return getattr(exc, "cause", None) or exc
+def _resume_config(
+    run_dir: Path, *, config: list[Path] | None, run_id: str | None, model: str | None
+) -> Path:
+    """``RUN_DIR/config.toml`` for ``--resume RUN_DIR``, after checking that it is a run."""
+    from marin_rl_core.errors import ConfigError
+
+    if config or run_id is not None or model is not None:
+        raise ConfigError(
+            "--resume takes the run's saved config: leave out --config, --run-id and --model "
+            "(--set still changes single values)"
+        )
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(
+            f"--resume {run_dir}: not a run directory (no config.toml there); give the directory "
+            "`marinrl run` printed, e.g. runs/rl-20261122-101500"
+        )
+    return saved
+
+
+def _resume_overrides(run_dir: Path) -> list[str]:
+    """The run goes on in ``run_dir`` itself, wherever it was moved and whatever the cwd."""
+    run_dir = run_dir.expanduser().absolute()
+    return [f"run_dir={json.dumps(str(run_dir.parent))}", f"run_id={json.dumps(run_dir.name)}"]
 
 
 def _train(cfg: Any, registry: Any) -> None:
-    import logging
-
     from rich.console import Console
 
     from marin_rl_core.job import RLJob
     from marin_rl_core.report import plot_reward_curve, render_summary, summarize
 
     job = RLJob(cfg, registry)
-    job.run_dir.mkdir(parents=True, exist_ok=True)
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        handlers=[logging.FileHandler(job.run_dir / "driver.log")],
-    )
     typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True)
-    try:
-        result = job.run(progress=True)
-    except Exception as exc:
-        cause = _unwrap_worker_error(exc)
-        if isinstance(cause, MarinRLError):
-            raise cause from None
-        raise
+    result = job.run(progress=True)
     console = Console(stderr=True)
     console.print(render_summary(summarize(result.run_dir)))
     plot = plot_reward_curve(result.run_dir)
@@ -344,7 +374,7 @@ def _train(cfg: Any, registry: Any) -> None:
     if result.interrupted:
         _err(
             f"interrupted at step {result.final_step}; a checkpoint was saved. Resume with:\n"
-            f"  marinrl run --config {result.run_dir / 'config.toml'}"
+            f"  {job.resume_command()}"
         )
         raise typer.Exit(int(ExitCode.INTERRUPTED))
 
@@ -375,6 +405,8 @@ def eval_command(
             from marin_rl_core.errors import ConfigError
 
             raise ConfigError(str(exc)) from None
+        for warning in results["warnings"]:
+            typer.echo(f"warning: {warning}", err=True)
         if as_json:
             typer.echo(json.dumps(results, indent=2))
             return
@@ -391,7 +423,8 @@ def eval_command(
         )
         for lesson, row in rows.items():
             cells = [f"{row[k]:.3f}" if k in row else "" for k in extra]
-            table.add_row(lesson, f"{row['reward']:.3f}", str(row["n"]), *cells)
+            reward = "no problem scored" if row["reward"] is None else f"{row['reward']:.3f}"
+            table.add_row(lesson, reward, str(row["n"]), *cells)
         Console().print(table)
 
     _guarded(go)

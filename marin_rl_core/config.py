@@ -314,6 +314,30 @@ class LoggingConfig:
 
 
 @attrs.frozen(kw_only=True)
+class FaultsConfig:
+    """How a running job meets faults (docs/faults.md).
+
+    Args:
+        stall_timeout_s: the watchdog stops the job (exit code 12, with a final checkpoint) when
+            no training step completes for this long, and names the stalled stage and the
+            counters that explain it. The first step's wait includes compiling; 0 turns the
+            watchdog off.
+        worker_restarts: times each rollout worker may be restarted after its process dies
+            (Ray restarts the actor; the job goes on). One more death stops the job (exit 13)
+            with a final checkpoint.
+        restart_backoff_s: wait before handing a restarted worker its work again, doubled at
+            each restart of the same worker.
+        stop_timeout_s: on Ctrl-C, SIGTERM or a fatal error, how long the trainer gets to write
+            its final checkpoint and the workers to stop before the job ends without them.
+    """
+
+    stall_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.ge(0))
+    worker_restarts: int = attrs.field(default=3, validator=attrs.validators.ge(0))
+    restart_backoff_s: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    stop_timeout_s: float = attrs.field(default=120.0, validator=attrs.validators.gt(0))
+
+
+@attrs.frozen(kw_only=True)
 class PluginChoice:
     """A chosen plugin and its config; in files the ``name`` sits beside the config's keys."""
 
@@ -393,6 +417,7 @@ class RLJobConfig:
     sampling: SamplingParams = SamplingParams(temperature=1.5, max_tokens=2)
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    faults: FaultsConfig = FaultsConfig()
     env: EnvChoice = EnvChoice(name="math")
     loss: LossChoice = LossChoice(name="rloo")
     storage: StorageChoice = StorageChoice(name="memory")
@@ -873,6 +898,7 @@ __all__ = [
     "EvalConfig",
     "LessonConfig",
     "LessonDependency",
+    "FaultsConfig",
     "LoggingConfig",
     "LossChoice",
     "ModelConfig",

@@ -1,7 +1,8 @@
 """Errors a user can cause, and the exit codes the CLI maps them to.
 
-Every error here is raised *before* any work starts and carries a message that says what went
-wrong and what to do about it. The CLI prints the message and exits with ``error.exit_code``.
+Every error here carries a message that says what went wrong and what to do about it; most are
+raised before any work starts, the rest (a dead worker, a stalled job, a full disk) stop a
+running job, which keeps its last checkpoint. The CLI prints the message and exits with ``error.exit_code``.
 This is a leaf module: it imports nothing from the rest of the core.
 """
 
@@ -35,8 +36,17 @@ class ExitCode(enum.IntEnum):
     """The requested feature is not available in this version."""
     RESOURCES = 9
     """The Ray cluster does not have the resources the job asks for (``[resources]``)."""
+    CLUSTER = 10
+    """The Ray cluster of ``--ray-address`` cannot be reached or joined."""
+    RUN_DIR = 11
+    """The run directory cannot be written (read-only, full disk, a file in the way) or read
+    (a damaged ``config.toml``, ``state.json`` or metrics file)."""
+    STALLED = 12
+    """The watchdog stopped a job in which no training step completed for too long."""
+    WORKER_LOST = 13
+    """A worker process died more often than it may be restarted."""
     INTERRUPTED = 130
-    """Stopped by Ctrl-C; a resumable checkpoint was written."""
+    """Stopped by Ctrl-C or SIGTERM; a resumable checkpoint was written."""
 
 
 class MarinRLError(Exception):
@@ -63,7 +73,7 @@ class FieldValueError(ValueError):
 def one_of(*choices: str) -> Any:
     """An attrs validator accepting only ``choices``; the error lists them::
 
-        split: str = attrs.field(default="swap", validator=one_of("swap", "hash"))
+    split: str = attrs.field(default="swap", validator=one_of("swap", "hash"))
     """
 
     def check(instance: Any, attribute: Any, value: Any) -> None:
@@ -88,7 +98,8 @@ class UnknownPluginError(MarinRLError):
         lines = [f"unknown {kind} {name!r}" + (f" (at {where})" if where else "") + "."]
         if close:
             lines.append(f"Did you mean {close[0]!r}?")
-        lines.append(f"Registered {kind} plugins: {', '.join(known) if known else '(none)'}.")
+        label = "Installed plugins" if kind == "plugin" else f"Registered {kind} plugins"
+        lines.append(f"{label}: {', '.join(known) if known else '(none)'}.")
         lines.append("Run `marinrl plugins list` to see every plugin and where it comes from.")
         super().__init__("\n".join(lines))
 
@@ -121,3 +132,28 @@ class FeatureNotAvailableError(MarinRLError):
     """The command resolved its inputs but asks for something this version cannot do."""
 
     exit_code = ExitCode.NOT_AVAILABLE
+
+
+class ClusterError(MarinRLError):
+    """The Ray cluster named by ``--ray-address`` does not answer or cannot be joined."""
+
+    exit_code = ExitCode.CLUSTER
+
+
+class RunDirError(MarinRLError):
+    """The run directory (or a file in it) cannot be written or read."""
+
+    exit_code = ExitCode.RUN_DIR
+
+
+class StalledError(MarinRLError):
+    """No training step completed within ``watchdog.stall_timeout_s``; the message names the
+    stalled stage and the counters that explain it."""
+
+    exit_code = ExitCode.STALLED
+
+
+class WorkerLostError(MarinRLError):
+    """A trainer or rollout worker process died, and could not be (or was too often) restarted."""
+
+    exit_code = ExitCode.WORKER_LOST

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.checkpoint import resolve_checkpoint
+from marin_rl_core.checkpoint import STATE_FILE, resolve_checkpoint
 from marin_rl_core.config import resolve_config
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout_worker import EVAL_SEED_OFFSET
@@ -20,28 +20,52 @@ def evaluate_checkpoint(
 ) -> dict[str, Any]:
     """Score ``path`` (a run directory or one of its checkpoints) on every lesson.
 
-    Returns ``{"checkpoint": str, "step": int, "lessons": {id: {"reward": float, "n": int,
+    A run directory's newest checkpoint that can be read is used (damaged newer ones are
+    skipped and named in ``"warnings"``). Returns ``{"checkpoint": str, "step": int,
+    "warnings": [str], "lessons": {id: {"reward": float, "n": int,
     ...}}}``; a lesson whose env returns :class:`~marin_rl_core.types.Score` s also has each
     score metric's mean (``"format"``, ``"correct"`` ...).
     """
-    import json
-
-    from marin_rl_core.checkpoint import load_model
+    from marin_rl_core.checkpoint import CheckpointError, load_model, load_newest, read_state
     from marin_rl_core.rollout_manager import RolloutManager
     from marin_rl_core.tokenizer import model_tokenizer
     from marin_rl_core.trainer import initial_model
 
-    checkpoint = resolve_checkpoint(path)
-    run_dir = checkpoint.parent.parent
+    path = Path(path)
+    if (path / "model.eqx").exists() or (path / STATE_FILE).exists():
+        run_dir, candidates = path.parent.parent, [resolve_checkpoint(path)]
+    else:
+        run_dir, candidates = path, []
     config_file = run_dir / "config.toml"
     if not config_file.exists():
         raise FileNotFoundError(
             f"{config_file} does not exist: the checkpoint's run config is needed"
         )
     config = resolve_config(registry, files=[config_file])
-    step = int(json.loads((checkpoint / "state.json").read_text())["step"])
     tokenizer = model_tokenizer(config.model)
-    model = load_model(checkpoint, initial_model(config, tokenizer))
+    like = initial_model(config, tokenizer)
+
+    def load(checkpoint: Path) -> tuple[int, Any]:
+        return int(read_state(checkpoint)["step"]), load_model(checkpoint, like)
+
+    warnings: list[str] = []
+    if candidates:  # one checkpoint asked for by name: no falling back
+        checkpoint = candidates[0]
+        try:
+            step, model = load(checkpoint)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} cannot be read ({type(exc).__name__}); it is damaged. "
+                f"Give the run directory ({run_dir}) to use its newest intact checkpoint."
+            ) from exc
+    else:
+        found = load_newest(run_dir, load)
+        if found is None:
+            resolve_checkpoint(run_dir)  # raises: no checkpoint
+            raise AssertionError("unreachable")
+        checkpoint, (step, model), warnings = found
     manager = RolloutManager(config, registry, model=model, tokenizer=tokenizer)
     results = manager.evaluate_curriculum(
         n_examples=n_examples or config.eval.n_examples,
@@ -54,8 +78,13 @@ def evaluate_checkpoint(
     return {
         "checkpoint": str(checkpoint),
         "step": step,
+        "warnings": warnings,
         "lessons": {
-            lesson: {"reward": stats.mean_reward, "n": stats.n_rollouts, **stats.metrics}
+            lesson: {
+                "reward": stats.mean_reward if stats.n_rollouts else None,
+                "n": stats.n_rollouts,
+                **stats.metrics,
+            }
             for lesson, (stats, _) in results.items()
         },
     }

@@ -2,24 +2,34 @@
 
 The driver (``marinrl run`` or ``RLJob(config, registry).run()``):
 
-1. validates the config and creates the run directory (``config.toml`` is written there);
-2. starts Ray (a local instance, or ``ray_address``) and the shared actors: the metrics hub and
-   the curriculum (restored from the newest checkpoint when the run directory has one);
-3. starts the trainer actor and waits until it is ready (weights built, weight server up);
-4. starts the rollout workers, pointed at the trainer's weight server and the rollout storage;
-5. shows a progress bar until the trainer reaches ``num_train_steps``, then stops the rollout
-   workers, has worker 0 evaluate the final weights, writes the summary and the reward plot,
-   and returns the trained model read back from the final checkpoint.
+1. validates the config (before anything is written);
+2. joins ``ray_address`` (after checking that something answers there) or starts a local Ray
+   with token authentication, and checks that the cluster can place every actor;
+3. only then creates the run directory, writes ``config.toml`` (run directory absolute) and
+   opens ``driver.log``;
+4. starts the shared actors (metrics hub, curriculum) and the trainer, and waits until it is
+   ready: weights built or restored from the newest intact checkpoint (a damaged newer one is
+   skipped, with a warning), weight server up; the curriculum resumes from the same checkpoint;
+5. starts the rollout workers, pointed at the trainer's weight server and the rollout storage;
+6. watches (:class:`_Watch`): a progress bar until the trainer reaches ``num_train_steps``; a
+   rollout worker whose process dies is restarted (``faults.worker_restarts``, with backoff);
+   a watchdog stops a job in which no step completes for ``faults.stall_timeout_s`` and says
+   why; then it stops the rollout workers, has worker 0 evaluate the final weights, and
+   returns. Every wait is bounded (``faults.stop_timeout_s``).
 
 Every worker gets the config as plain data plus the driver's :class:`RegistrySpec`; it rebuilds
-the registry and refuses to start if its plugins differ from the driver's.
-Ctrl-C stops the trainer, which writes a checkpoint; ``marinrl run --run-id SAME`` resumes.
+the registry and refuses to start if its plugins differ from the driver's. Ctrl-C, SIGTERM (via
+``marinrl run``), a stalled job and a lost worker stop the trainer with a checkpoint first;
+``marinrl run --resume RUN_DIR`` goes on from it. Failures reach the caller as
+:class:`~marin_rl_core.errors.MarinRLError` s with their exit codes (docs/faults.md).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +37,18 @@ from typing import Any
 import attrs
 
 from marin_rl_core.config import RLJobConfig, dump_config, resolve_config, unstructure_config
-from marin_rl_core.errors import ConfigError, MarinRLError
+from marin_rl_core.errors import (
+    ClusterError,
+    ConfigError,
+    MarinRLError,
+    RunDirError,
+    StalledError,
+    WorkerLostError,
+)
 from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
 
 logger = logging.getLogger(__name__)
+_UNSET: Any = object()
 
 
 @attrs.frozen(kw_only=True)
@@ -66,10 +84,13 @@ def _worker_logging(run_dir: str, name: str) -> None:
 class CurriculumService:
     """The job's one curriculum policy, shared by all rollout workers (a Ray actor)."""
 
-    def __init__(self, wc: WorkerConfig, state: dict[str, Any] | None):
+    def __init__(self, wc: WorkerConfig):
         config, registry = wc.resolve()
         record = registry.get("curriculum", config.curriculum.name)
         self.policy = record.build(config.curriculum.config, config.curriculum.lessons)
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Resume from a checkpoint's curriculum state (``None``: a new run)."""
         if state:
             self.policy.load_state_dict(state)
 
@@ -149,6 +170,7 @@ class TrainerService(_SetUpError):
 
     def _build(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any) -> None:
         _worker_logging(wc.run_dir, "trainer")
+        logger.info("trainer process %d", os.getpid())
         from marin_rl_core.trainer import Trainer
 
         config, registry = wc.resolve()
@@ -168,8 +190,19 @@ class TrainerService(_SetUpError):
         )
 
     def ready(self) -> dict[str, Any]:
+        """The weight server's address, the step it starts from, the curriculum state of the
+        checkpoint it restored and warnings for the user (damaged checkpoints it skipped)."""
         self._check()
-        return {"address": self.server.address, "step": self.trainer.step}
+        return {
+            "address": self.server.address,
+            "step": self.trainer.step,
+            "curriculum": self.trainer.resumed_state.get("curriculum"),
+            "warnings": list(self.trainer.resume_warnings),
+        }
+
+    def diagnostics(self) -> dict[str, Any]:
+        self._check()
+        return self.trainer.diagnostics()
 
     def run(self) -> int:
         self._check()
@@ -194,13 +227,28 @@ class TrainerService(_SetUpError):
 class RolloutService(_SetUpError):
     """One rollout worker process (a Ray actor)."""
 
-    def __init__(self, wc: WorkerConfig, storage: Any, address: str, curriculum: Any, hub: Any):
-        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub))
+    def __init__(
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        address: str,
+        curriculum: Any,
+        hub: Any,
+        start_step: int = 0,
+    ):
+        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub, start_step))
 
     def _build(
-        self, wc: WorkerConfig, storage: Any, address: str, curriculum: Any, hub: Any
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        address: str,
+        curriculum: Any,
+        hub: Any,
+        start_step: int,
     ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
+        logger.info("rollout worker %d process %d", wc.index, os.getpid())
         from marin_rl_core.rollout_worker import RolloutWorker
 
         config, registry = wc.resolve()
@@ -216,6 +264,12 @@ class RolloutService(_SetUpError):
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
         )
+        import ray
+
+        self.worker.seed_salt = start_step
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
+            logger.warning("rollout worker %d restarted after its process died", wc.index)
 
     def run(self) -> dict[str, int]:
         self._check()
@@ -232,6 +286,10 @@ class RolloutService(_SetUpError):
     def counters(self) -> dict[str, int]:
         self._check()
         return self.worker.counters()
+
+    def process(self) -> int:
+        """This worker's process id (a restarted worker has a new one)."""
+        return os.getpid()
 
 
 @attrs.frozen(kw_only=True)
@@ -372,8 +430,15 @@ class RLJob:
         self.config = config
         self.registry = registry
         self.run_id = config.run_id or time.strftime("rl-%Y%m%d-%H%M%S")
-        self.run_dir = Path(config.run_dir) / self.run_id
+        # Absolute, so the saved config and the printed resume command work from anywhere.
+        self.run_dir = Path(config.run_dir).expanduser().absolute() / self.run_id
+        self._auth_mode: Any = _UNSET
+        self._log_handler: logging.Handler | None = None
         self.validate()
+
+    def saved_config(self) -> RLJobConfig:
+        """The config as ``config.toml`` keeps it: run id and absolute run directory filled in."""
+        return attrs.evolve(self.config, run_id=self.run_id, run_dir=str(self.run_dir.parent))
 
     def validate(self) -> None:
         """Checks beyond the config's own: sequence lengths fit the model, lessons exist."""
@@ -397,7 +462,7 @@ class RLJob:
 
     def to_worker_configs(self) -> tuple[WorkerConfig, list[WorkerConfig]]:
         """``(trainer, [rollout worker, ...])`` configs, exactly as the actors receive them."""
-        data = unstructure_config(attrs.evolve(self.config, run_id=self.run_id), self.registry)
+        data = unstructure_config(self.saved_config(), self.registry)
         spec = self.registry.spec
 
         def make(role: str, index: int) -> WorkerConfig:
@@ -410,56 +475,139 @@ class RLJob:
         ]
 
     def _start_ray(self) -> bool:
+        """Join ``ray_address`` (checked to answer first) or start a local Ray with token
+        authentication; returns whether this call started (and so must stop) Ray."""
         import ray
 
         if ray.is_initialized():
             return False
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        if self.config.ray_address:
-            ray.init(address=self.config.ray_address, log_to_driver=False)
-        else:
-            # address="local": a new instance even where `ray start` left a cluster address
-            # behind (plain ray.init() would try to join that one).
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                num_cpus=os.cpu_count() or 2,
-            )
+        address = self.config.ray_address
+        if address:
+            probe_ray_address(address)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as exc:  # a version mismatch, an auth token it refuses, ...
+                raise ClusterError(
+                    f"could not join the Ray cluster at {address} ($.ray_address / "
+                    f"--ray-address): {type(exc).__name__}: {_first_line(exc)}. Check that it is "
+                    "a Ray head of the same Ray version (`ray status --address ADDRESS`)."
+                ) from exc
+            return True
+        # Ray turns token authentication on for a new local cluster and sets RAY_AUTH_MODE in
+        # os.environ, with a warning addressed to Ray users: keep the authentication, drop the
+        # warning, and give RAY_AUTH_MODE its previous value back at shutdown so that child
+        # processes do not inherit Ray's.
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            _no_token_auth_notice
+        )
+        # address="local": a new instance even where `ray start` left a cluster address behind
+        # (plain ray.init() would try to join that one). Ray binds its servers to the node's
+        # address (it has no loopback-only setting); token authentication guards them.
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            log_to_driver=False,
+            num_cpus=os.cpu_count() or 2,
+        )
         return True
 
-    def run(self, *, progress: bool = True) -> JobResult:
-        """Train to ``num_train_steps`` (or Ctrl-C); see the module docstring."""
+    def _stop_ray(self) -> None:
         import ray
 
-        from marin_rl_core.checkpoint import latest_checkpoint
+        ray.shutdown()
+        if self._auth_mode is not _UNSET:
+            if self._auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._auth_mode
+            self._auth_mode = _UNSET
+
+    def _write_run_dir(self, config: RLJobConfig) -> None:
+        """Create the run directory, write ``config.toml`` and open ``driver.log``: only after
+        every check passed, so a bad resume leaves the saved run as it was."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(dump_config(config, self.registry))
+            handler = logging.FileHandler(self.driver_log)
+        except OSError as exc:
+            raise run_dir_error(exc, self.run_dir, resumable=False) from None
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger()
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        self._log_handler = handler
+
+    @property
+    def driver_log(self) -> Path:
+        return self.run_dir / "driver.log"
+
+    def resume_command(self) -> str:
+        return f"marinrl run --resume {self.run_dir}"
+
+    def run(self, *, progress: bool = True) -> JobResult:
+        """Train to ``num_train_steps`` (or Ctrl-C / SIGTERM); see the module docstring.
+
+        Raises:
+            MarinRLError: a user-facing error with its exit code: the cluster cannot be reached
+                (:class:`ClusterError`) or cannot place the job, the run directory cannot be
+                written (:class:`RunDirError`), no intact checkpoint to resume, a stalled job
+                (:class:`StalledError`), a worker lost for good (:class:`WorkerLostError`), a
+                diverged loss; anything else as a :class:`MarinRLError` naming the log that
+                holds its traceback. A running job stops with a final checkpoint first.
+        """
+        import ray
+
+        config = self.saved_config()
+        started_ray = self._start_ray()
+        # After ray.init, which installs its own SIGTERM handler (exit 1, no checkpoint).
+        restore_sigterm = _handle_sigterm()
+        try:
+            ray_address = ray.get_runtime_context().gcs_address
+            check_resources(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+            self._write_run_dir(config)
+            logger.info(
+                "%s Ray cluster at %s",
+                "started a local" if started_ray and not config.ray_address else "using the",
+                ray_address,
+            )
+            try:
+                return self._run_actors(config, ray_address, progress)
+            except Exception as exc:
+                raise self._user_error(exc) from None
+        finally:
+            restore_sigterm()
+            if self._log_handler is not None:
+                logging.getLogger().removeHandler(self._log_handler)
+                self._log_handler.close()
+                self._log_handler = None
+            if started_ray:
+                self._stop_ray()
+
+    def _user_error(self, exc: BaseException) -> MarinRLError:
+        """What the user is told about ``exc`` (a worker's error arrives wrapped by Ray); the
+        traceback goes to ``driver.log``."""
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, MarinRLError):
+            return cause
+        logger.error("the job failed", exc_info=exc)
+        if isinstance(cause, OSError) and cause.errno in RUN_DIR_ERRNOS:
+            return run_dir_error(cause, self.run_dir, resumable=True)
+        return MarinRLError(
+            f"the job failed: {type(cause).__name__}: {_first_line(cause)}. The traceback is in "
+            f"{self.driver_log} and the workers' logs in {self.run_dir / 'logs'}; the last "
+            f"checkpoint is kept (resume with `{self.resume_command()}`)."
+        )
+
+    def _run_actors(self, config: RLJobConfig, ray_address: str, progress: bool) -> JobResult:
+        import ray
+
         from marin_rl_core.metrics import MetricsHub
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        config = attrs.evolve(self.config, run_id=self.run_id)
-        (self.run_dir / "config.toml").write_text(dump_config(config, self.registry))
         trainer_wc, rollout_wcs = self.to_worker_configs()
-        resume_state: dict[str, Any] = {}
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is not None:
-            import json
-
-            resume_state = json.loads((checkpoint / "state.json").read_text())
-        started_ray = self._start_ray()
-        ray_address = ray.get_runtime_context().gcs_address
-        logger.info(
-            "%s Ray cluster at %s",
-            "started a local" if started_ray and not config.ray_address else "using the",
-            ray_address,
-        )
+        faults = config.faults
         actors: list[Any] = []
-        interrupted = False
-        try:
-            check_resources(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
-        except MarinRLError:
-            if started_ray:
-                ray.shutdown()
-            raise
         storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         try:
             hub = (
@@ -467,41 +615,64 @@ class RLJob:
                 .options(num_cpus=0)
                 .remote(str(self.run_dir), config.logging.tracker, self.run_id)
             )
-            curriculum = (
-                ray.remote(CurriculumService)
-                .options(num_cpus=0)
-                .remote(trainer_wc, resume_state.get("curriculum"))
-            )
+            curriculum = ray.remote(CurriculumService).options(num_cpus=0).remote(trainer_wc)
             trainer = (
                 ray.remote(TrainerService)
                 .options(**config.resources.trainer.ray_options(), max_concurrency=4)
                 .remote(trainer_wc, storage, curriculum, hub)
             )
             actors += [hub, curriculum, trainer]
-            info = ray.get(trainer.ready.remote())
+            try:
+                info = ray.get(trainer.ready.remote())
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(
+                    f"the trainer process died while setting up ({_first_line(exc)}); see "
+                    f"{self.run_dir / 'logs' / 'trainer.log'}"
+                ) from exc
+            for warning in info["warnings"]:
+                logger.warning("%s", warning)
+                print(f"warning: {warning}", file=sys.stderr)
+            # The curriculum resumes from the checkpoint the trainer restored, and the metrics
+            # of steps after it (logged by the run that died) give way to the steps trained again.
+            ray.get(curriculum.load_state.remote(info["curriculum"]))
             start_step = int(info["step"])
+            if start_step or info["curriculum"] is not None:
+                dropped = ray.get(hub.resume_at.remote(start_step))
+                logger.info(
+                    "resuming at step %d (%d metric rows of later steps dropped)",
+                    start_step,
+                    dropped,
+                )
             rollouts = [
                 ray.remote(RolloutService)
-                .options(**config.resources.rollout.ray_options(), max_concurrency=4)
-                .remote(wc, storage, info["address"], curriculum, hub)
+                .options(
+                    **config.resources.rollout.ray_options(),
+                    max_concurrency=4,
+                    max_restarts=faults.worker_restarts,
+                    max_task_retries=0,
+                )
+                .remote(wc, storage, info["address"], curriculum, hub, start_step)
                 for wc in rollout_wcs
             ]
             actors += rollouts
-            rollout_runs = [w.run.remote() for w in rollouts]
-            train_run = trainer.run.remote()
+            watch = _Watch(self, trainer, rollouts, hub, start_step)
+            interrupted = False
             try:
-                final_step = self._watch(train_run, rollout_runs, hub, start_step, progress)
+                final_step = watch.run(progress)
             except KeyboardInterrupt:
                 interrupted = True
                 logger.warning("interrupted: stopping the trainer, which writes a checkpoint")
-                ray.get(trainer.stop.remote())
-                final_step = ray.get(train_run)
-            for w in rollouts:
-                w.stop.remote()
-            counters = ray.get(rollout_runs)
-            final_eval = {} if interrupted else ray.get(rollouts[0].final_eval.remote(final_step))
-            ray.get(trainer.close.remote())
-            ray.get(hub.close.remote())
+                final_step = watch.stop_trainer()
+            except BaseException:
+                # A stalled job or a lost worker: keep what the trainer has, then report.
+                watch.stop_trainer()
+                raise
+            counters = watch.stop_rollouts()
+            final_eval: dict[str, Any] = {}
+            if not interrupted:
+                final_eval = watch.final_eval(final_step)
+            ray.get(trainer.close.remote(), timeout=faults.stop_timeout_s)
+            ray.get(hub.close.remote(), timeout=faults.stop_timeout_s)
         finally:
             for actor in actors:
                 ray.kill(actor)
@@ -511,8 +682,6 @@ class RLJob:
                     close()
                 except Exception:  # the queue actor may already be gone with Ray
                     pass
-            if started_ray:
-                ray.shutdown()
         return JobResult(
             run_dir=self.run_dir,
             final_step=final_step,
@@ -522,48 +691,365 @@ class RLJob:
             ray_address=ray_address,
         )
 
-    def _watch(
-        self, train_run: Any, rollout_runs: list[Any], hub: Any, start: int, progress: bool
-    ) -> int:
-        """Wait for the trainer, failing fast if any worker dies; drive the progress bar."""
+
+class _Watch:
+    """The driver's view of a running job: progress bar, watchdog, rollout worker restarts and
+    bounded stops. Every wait here has a timeout; a dead actor is an error, never a hang."""
+
+    def __init__(self, job: RLJob, trainer: Any, rollouts: list[Any], hub: Any, start: int):
+        self.job, self.trainer, self.rollouts, self.hub = job, trainer, rollouts, hub
+        self.faults = job.config.faults
+        self.start = self.step = start
+        self.train_run = trainer.run.remote()
+        self.runs: dict[int, Any] = {i: w.run.remote() for i, w in enumerate(rollouts)}
+        self.restarts = [0] * len(rollouts)
+        self.due: dict[int, float] = {}  # worker index -> when to hand a restarted worker its run
+        # Each worker's process id: a new one after a failed run is a restart (Ray restarts a
+        # dead actor itself; a run may also fail while it is being restarted).
+        self.pids: list[int | None] = [None] * len(rollouts)
+        self.pid_refs: dict[int, Any] = {i: w.process.remote() for i, w in enumerate(rollouts)}
+        self.counters: list[dict[str, Any]] = [{} for _ in rollouts]
+
+    # --- while training -----------------------------------------------------------------------
+
+    def run(self, progress: bool) -> int:
+        """Wait for the trainer to finish, driving the progress bar; returns its final step."""
         import ray
         from tqdm import tqdm
 
-        total = self.config.trainer.num_train_steps
+        total = self.job.config.trainer.num_train_steps
         bar = tqdm(
             total=total,
-            initial=start,
+            initial=self.start,
             desc="train",
             unit="step",
             disable=not progress,
             dynamic_ncols=True,
         )
+        last_progress = time.monotonic()
         try:
             while True:
-                done, _ = ray.wait([train_run, *rollout_runs], num_returns=1, timeout=1.0)
-                latest = ray.get(hub.latest.remote())
-                step = int(latest.get("train_step", start))
+                refs = [self.train_run, *self.runs.values()]
+                done, _ = ray.wait(refs, num_returns=1, timeout=1.0)
+                latest = ray.get(self.hub.latest.remote(), timeout=60)
+                step = int(latest.get("train_step", self.start))
+                if step > self.step:
+                    self.step, last_progress = step, time.monotonic()
                 bar.update(max(0, step - bar.n))
-                postfix = {}
-                if "reward" in latest:
-                    postfix["reward"] = f"{latest['reward']:.3f}"
-                evals = {
-                    k.split("/")[1]: v
-                    for k, v in latest.items()
-                    if k.startswith("eval/") and k.endswith("/reward")
-                }
-                if evals:
-                    postfix["eval"] = " ".join(f"{k}={v:.2f}" for k, v in evals.items())
-                bar.set_postfix(postfix, refresh=False)
-                if not done:
-                    continue
-                if done[0] is train_run:
-                    final = int(ray.get(train_run))
-                    bar.update(max(0, final - bar.n))
-                    return final
-                ray.get(done[0])  # a rollout worker ended early: re-raise its error
-                raise MarinRLError(
-                    "a rollout worker stopped before training finished; see RUN_DIR/logs"
-                )
+                bar.set_postfix(_postfix(latest), refresh=False)
+                for ref in done:
+                    if ref is self.train_run:
+                        final = self._trainer_result()
+                        bar.update(max(0, final - bar.n))
+                        return final
+                    self._rollout_ended(next(i for i, r in self.runs.items() if r is ref))
+                self._check_processes()
+                self._hand_out_restarts()
+                stalled = time.monotonic() - last_progress
+                if self.faults.stall_timeout_s and stalled > self.faults.stall_timeout_s:
+                    raise StalledError(self.stall_report(stalled))
         finally:
             bar.close()
+
+    def _trainer_result(self) -> int:
+        import ray
+
+        try:
+            return int(ray.get(self.train_run))
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerLostError(
+                f"the trainer process died at step {self.step} ({_first_line(exc)}). Its last "
+                f"checkpoint is kept; resume with `{self.job.resume_command()}`. Its log: "
+                f"{self.job.run_dir / 'logs' / 'trainer.log'}"
+            ) from None
+
+    def _rollout_ended(self, i: int) -> None:
+        """Rollout worker ``i``'s run ended before training did. Its actor died or is being
+        restarted: ask for its process (answered once Ray has it back); its own error: raise."""
+        import ray
+
+        ref = self.runs.pop(i)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("rollout worker %d's run failed: %s", i, _first_line(exc))
+            self.pid_refs[i] = self.rollouts[i].process.remote()
+            return
+        log = self.job.run_dir / "logs" / f"rollout-{i}.log"
+        raise MarinRLError(
+            f"rollout worker {i} stopped before training finished; see {log}"
+        )  # a normal return before stop(): should not happen
+
+    def _check_processes(self) -> None:
+        """Match each worker's answered process id with the last one: a new process is a
+        restart (counted, logged, bounded by ``faults.worker_restarts``), and a worker whose
+        run failed gets its run again after the backoff."""
+        import ray
+
+        if not self.pid_refs:
+            return
+        refs = list(self.pid_refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for i, ref in list(self.pid_refs.items()):
+            if ref not in ready:
+                continue
+            del self.pid_refs[i]
+            log = self.job.run_dir / "logs" / f"rollout-{i}.log"
+            try:
+                pid = int(ray.get(ref))
+            except ray.exceptions.ActorUnavailableError:
+                self.pid_refs[i] = self.rollouts[i].process.remote()  # still restarting
+                continue
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(
+                    f"rollout worker {i} died {self.restarts[i] + 1} times, more than "
+                    f"faults.worker_restarts = {self.faults.worker_restarts} restarts allow "
+                    f"({_first_line(exc)}). The job stopped with a checkpoint; see {log}, then "
+                    f"resume with `{self.job.resume_command()}`."
+                ) from None
+            previous, self.pids[i] = self.pids[i], pid
+            if i in self.runs:
+                continue  # the first answer of a worker that is running
+            delay = 0.0
+            if previous is not None and pid != previous:
+                self.restarts[i] += 1
+                delay = self.faults.restart_backoff_s * 2 ** (self.restarts[i] - 1)
+                logger.warning(
+                    "rollout worker %d died (process %d); restart %d of %d (process %d), its "
+                    "work handed back in %.1f s",
+                    i,
+                    previous,
+                    self.restarts[i],
+                    self.faults.worker_restarts,
+                    pid,
+                    delay,
+                )
+                self.hub.log.remote(
+                    {"faults/rollout_worker_restarts": float(sum(self.restarts))},
+                    step=self.step,
+                    source="faults",
+                )
+            self.due[i] = time.monotonic() + delay
+
+    def _hand_out_restarts(self) -> None:
+        now = time.monotonic()
+        for i, when in list(self.due.items()):
+            if now >= when:
+                del self.due[i]
+                self.runs[i] = self.rollouts[i].run.remote()  # waits for Ray's restart
+
+    def stall_report(self, stalled: float) -> str:
+        """Why no step completed: the trainer's stage and the rollout side's counters."""
+        import ray
+
+        config = self.job.config
+        lines = [
+            f"no training step completed for {stalled:.0f} s (faults.stall_timeout_s = "
+            f"{config.faults.stall_timeout_s:g}); the job stopped at step {self.step} with a "
+            f"checkpoint."
+        ]
+        try:
+            diag = ray.get(self.trainer.diagnostics.remote(), timeout=30)
+            lines.append(
+                f"  trainer: {diag['stage']} for {diag['stage_seconds']:.0f} s; it has read "
+                f"{diag['rollouts_read']} rollouts, {diag['rollouts_in_buffer']} wait in the "
+                f"replay buffer, {diag['dropped_stale']} were dropped as stale"
+            )
+        except Exception as exc:  # noqa: BLE001 - a report, not a control path
+            diag = {}
+            lines.append(f"  trainer: no answer ({type(exc).__name__})")
+        totals: dict[str, int] = {}
+        for i, w in enumerate(self.rollouts):
+            try:
+                self.counters[i] = ray.get(w.counters.remote(), timeout=30)
+            except Exception:  # noqa: BLE001
+                continue
+            for k, v in self.counters[i].items():
+                if isinstance(v, int) and k != "weight_step":
+                    totals[k] = totals.get(k, 0) + v
+        limit = config.model.max_seq_len - 1
+        lines.append(
+            f"  rollout workers: {totals.get('batches_sampled', 0)} batches sampled, "
+            f"{totals.get('batches_written', 0)} written to storage; "
+            f"{totals.get('prompts_too_long', 0)} prompts dropped as longer than {limit} tokens, "
+            f"{totals.get('env_errors', 0)} problems dropped for env errors, "
+            f"{totals.get('write_errors', 0)} storage write errors (retried)"
+        )
+        recent = totals.get("recent_empty_batches", 0)
+        if totals.get("batches_sampled", 0) == 0:
+            cause = (
+                "the rollout workers have not finished a batch: they may still be compiling, or "
+                "be stuck; their logs say which"
+            )
+        elif recent and totals.get("prompts_too_long", 0):
+            cause = (
+                f"the last {recent} batches were all dropped: prompts longer than {limit} tokens "
+                f"(model.max_seq_len = {config.model.max_seq_len}). Raise model.max_seq_len or "
+                "give the env shorter prompts"
+            )
+        elif recent and totals.get("env_errors", 0):
+            cause = (
+                f"the last {recent} batches were all dropped: the env raised on every problem "
+                "(the first error of each lesson is in the rollout workers' logs)"
+            )
+        elif totals.get("write_errors", 0) and not totals.get("batches_written", 0):
+            cause = (
+                f"writing to rollout storage keeps failing ({totals['write_errors']} errors, "
+                "retried with backoff): the rollout workers' logs name the error"
+            )
+        elif diag.get("dropped_stale"):
+            cause = (
+                "rollouts arrive too stale for the trainer: raise "
+                "replay_buffer.max_rollout_step_delay or lower trainer.sync_interval_steps"
+            )
+        elif diag.get("stage") == "in a training step":
+            cause = "the training step itself is slow or stuck; see the trainer's log"
+        else:
+            cause = "the logs say more"
+        lines.append(f"  likely cause: {cause}.")
+        lines.append(f"  logs: {self.job.run_dir / 'logs'}")
+        return "\n".join(lines)
+
+    # --- stopping -----------------------------------------------------------------------------
+
+    def stop_trainer(self) -> int:
+        """Ask the trainer to checkpoint and stop; wait at most ``faults.stop_timeout_s``."""
+        import ray
+
+        timeout = self.faults.stop_timeout_s
+        try:
+            ray.get(self.trainer.stop.remote(), timeout=timeout)
+            return int(ray.get(self.train_run, timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            logger.error("the trainer did not stop within %.0f s (faults.stop_timeout_s)", timeout)
+        except Exception as exc:  # noqa: BLE001 - already stopping for another reason
+            logger.warning("the trainer could not stop cleanly: %s", _first_line(exc))
+        return self.step
+
+    def stop_rollouts(self) -> list[dict[str, Any]]:
+        """Stop every rollout worker; their counters (``{}`` for one that did not answer)."""
+        import ray
+
+        for w in self.rollouts:
+            w.stop.remote()
+        out: list[dict[str, Any]] = []
+        deadline = time.monotonic() + self.faults.stop_timeout_s
+        for i in range(len(self.rollouts)):
+            ref = self.runs.get(i)
+            try:
+                if ref is None:
+                    raise ValueError("not running")
+                out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck worker at the end
+                logger.warning("rollout worker %d did not stop cleanly: %s", i, _first_line(exc))
+                out.append(self.counters[i])
+        return out
+
+    def final_eval(self, step: int) -> dict[str, Any]:
+        """Worker 0's eval of the final weights; ``{}`` (with a warning) if it cannot."""
+        import ray
+
+        try:
+            return ray.get(self.rollouts[0].final_eval.remote(step))
+        except ray.exceptions.RayActorError as exc:
+            logger.warning("no final eval: rollout worker 0 is gone (%s)", _first_line(exc))
+            return {}
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and preemption send), handled like Ctrl-C: the trainer writes
+    a checkpoint and the job ends with exit code 130."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _handle_sigterm() -> Any:
+    """Turn SIGTERM into :class:`Terminated` in the main thread; returns the undo."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+def _no_token_auth_notice(record: logging.LogRecord) -> bool:
+    return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
+def _postfix(latest: dict[str, Any]) -> dict[str, str]:
+    postfix = {}
+    if "reward" in latest:
+        postfix["reward"] = f"{latest['reward']:.3f}"
+    evals = {
+        k.split("/")[1]: v
+        for k, v in latest.items()
+        if k.startswith("eval/") and k.endswith("/reward")
+    }
+    if evals:
+        postfix["eval"] = " ".join(f"{k}={v:.2f}" for k, v in evals.items())
+    return postfix
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+RUN_DIR_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EEXIST,
+}
+
+
+def run_dir_error(exc: OSError, run_dir: Path, *, resumable: bool) -> RunDirError:
+    """A :class:`RunDirError` for an ``OSError`` writing the run directory, with the fix."""
+    what = exc.filename or run_dir
+    fixes = {
+        errno.ENOSPC: "free some space there",
+        errno.EDQUOT: "free some space there",
+        errno.EROFS: "choose a writable run_dir",
+        errno.EACCES: "choose a run_dir you may write to",
+        errno.EPERM: "choose a run_dir you may write to",
+        errno.ENOTDIR: "a file is in the way: choose another run_dir",
+        errno.EEXIST: "a file is in the way: choose another run_dir",
+    }
+    fix = fixes.get(exc.errno or 0, "check the run directory")
+    resume = f", then resume with `marinrl run --resume {run_dir}`" if resumable else ""
+    return RunDirError(f"cannot write {what}: {exc.strerror or exc}; {fix}{resume}")
+
+
+def probe_ray_address(address: str, *, timeout: float = 5.0) -> None:
+    """Raise :class:`ClusterError` unless something accepts connections at ``address``
+    (``HOST:PORT``, ``ray://HOST:PORT``; ``auto`` is left to Ray). A wrong address would
+    otherwise have Ray retry for minutes."""
+    import socket
+
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(
+            f"--ray-address {address!r} is not HOST:PORT (the address `ray start --head` prints, "
+            "for example 127.0.0.1:6379)"
+        )
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, TimeoutError | socket.timeout):
+            reason = f"no answer within {timeout:g} s"
+        raise ClusterError(
+            f"nothing answers at {address} (--ray-address / $.ray_address): {reason}. Start the "
+            f"cluster's head there (`ray start --head --port {port}`), correct the address, or "
+            "leave --ray-address out to start a local Ray."
+        ) from None

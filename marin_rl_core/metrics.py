@@ -49,6 +49,7 @@ class MetricsHub:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", buffering=1)
         self._latest: dict[str, Any] = {}
+        self._tracker_step = 0
         self._external = [
             _make_tracker(name, run_dir, run_id) for name in trackers if name != "jsonl"
         ]
@@ -59,10 +60,36 @@ class MetricsHub:
         self._file.write(json.dumps(row) + "\n")
         self._latest.update(row)
         self._latest[f"{source}_step"] = int(step)
-        for tracker in self._external:
-            tracker.log(
-                {k: v for k, v in row.items() if isinstance(v, int | float)}, step=int(step)
-            )
+        if self._external:
+            # wandb refuses a step lower than one it has seen: rows stamped with a lagging
+            # weight step (rollouts, evals) go at the newest step, their own step kept as the
+            # "step" value.
+            self._tracker_step = max(self._tracker_step, int(step))
+            numbers = {k: v for k, v in row.items() if isinstance(v, int | float)}
+            for tracker in self._external:
+                tracker.log(numbers, step=self._tracker_step)
+
+    def resume_at(self, step: int) -> int:
+        """A run resumed from the checkpoint of ``step``: drop the rows of later steps (the dead
+        run logged them, and they are about to be trained again), so that every step has one
+        set of rows. Returns the number of rows dropped."""
+        rows = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        kept = []
+        for line in rows:
+            try:
+                if int(json.loads(line)["step"]) > step:
+                    continue
+            except (ValueError, KeyError, TypeError):
+                continue  # a damaged or partly written line
+            kept.append(line)
+        dropped = len(rows) - len(kept)
+        if dropped:
+            self._file.close()
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            tmp.replace(self.path)
+            self._file = self.path.open("a", buffering=1)
+        return dropped
 
     def latest(self) -> dict[str, Any]:
         """The most recent value of every metric (plus ``<source>_step``)."""
@@ -100,7 +127,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     rows = []
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a marinrl run directory?")
-    for line in path.read_text().splitlines():
+    # Damaged bytes (a crash mid-write, a disk error) spoil only their own line.
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:

@@ -111,7 +111,9 @@ class Qwen2LMHeadModel(LlamaLMHeadModel):
         lm_head = (
             None
             if config.tie_word_embeddings
-            else hnn.Linear.init(In=config.Embed, Out=Vocab, key=k_emb, use_bias=False, out_first=True)
+            else hnn.Linear.init(
+                In=config.Embed, Out=Vocab, key=k_emb, use_bias=False, out_first=True
+            )
         )
         return Qwen2LMHeadModel(transformer, embeddings, lm_head)
 
@@ -391,6 +393,7 @@ def next_token_logprobs_and_entropy(
             jnp.pad(x, [(0, blocks * block - n)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
             for x, fill in zip(flat, (0, 0, 1))
         ]
+
         def per_block(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
             return _block_logprobs_and_entropy(xs[0], lm_head, *xs[1:])
 

@@ -86,6 +86,7 @@ class RolloutManager:
         }
         self._envs: dict[str, Env] = {}
         self._errors_logged: set[str] = set()
+        self._too_long_logged: set[str] = set()
         biggest = max(
             [
                 config.sampling_for(lesson).n_prompts
@@ -171,7 +172,8 @@ class RolloutManager:
         """Pose ``n_examples`` problems, sample ``n_generations`` responses each, score them.
 
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
-        attached to every rollout, and metrics: ``reward``, ``env_errors``, ``frac_truncated``,
+        attached to every rollout, and metrics: ``reward``, ``env_errors``, ``prompts_too_long``
+        (problems dropped because their prompt does not fit ``model.max_seq_len``), ``frac_truncated``,
         ``tokens``, ``generated_tokens``, ``seconds``, ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
         averaged over the rollouts that report it.
@@ -183,7 +185,7 @@ class RolloutManager:
             )
         env = self.env(lesson_id)
         env_name = lesson.env or self.config.env.name
-        env_errors = 0
+        env_errors = too_long = 0
         try:
             problems = env.sample_problems(n_examples, mode=mode, seed=seed)  # type: ignore[arg-type]
         except Exception as exc:
@@ -203,14 +205,18 @@ class RolloutManager:
                 env_errors += 1
                 continue
             if not 0 < len(tokens) <= limit:
-                self._env_error(
-                    lesson_id,
-                    f"posing problem {problem.id}",
-                    ValueError(
-                        f"prompt has {len(tokens)} tokens; model.max_seq_len allows {limit}"
-                    ),
-                )
-                env_errors += 1
+                too_long += 1
+                if lesson_id not in self._too_long_logged:  # once per lesson: counted after
+                    self._too_long_logged.add(lesson_id)
+                    logger.warning(
+                        "lesson %s: problem %s's prompt has %d tokens, more than model.max_seq_len"
+                        " - 1 = %d; such problems are dropped (counted in "
+                        "rollout/prompts_too_long). Raise model.max_seq_len or shorten the prompts",
+                        lesson_id,
+                        problem.id,
+                        len(tokens),
+                        limit,
+                    )
                 continue
             prompts.append(tokens)
             kept.append(problem)
@@ -269,6 +275,7 @@ class RolloutManager:
         rollouts_all = batch.rollouts if batch else []
         metrics = {
             "env_errors": float(env_errors),
+            "prompts_too_long": float(too_long),
             "reward": float(np.mean([r.reward for r in rollouts_all])) if rollouts_all else 0.0,
             "frac_truncated": float(np.mean([r.truncated for r in rollouts_all]))
             if rollouts_all
@@ -299,7 +306,8 @@ class RolloutManager:
 
         The stats' ``metrics`` are the means of the env's :class:`~marin_rl_core.types.Score`
         metrics. ``eval_type="eval"`` reports the result to the curriculum (it can unlock or
-        graduate lessons); ``"micro_eval"`` only returns it.
+        graduate lessons) unless no problem was scored (``n_rollouts == 0``: no score at all);
+        ``"micro_eval"`` only returns it.
         """
         sampling = self.config.eval.sampling
         batch, metrics = self.sample_batch(
@@ -320,7 +328,9 @@ class RolloutManager:
                 if name.startswith(SCORE_METRIC_PREFIX)
             },
         )
-        if eval_type == "eval" and self.curriculum is not None:
+        # An eval in which no problem was scored (all dropped) says nothing about the lesson:
+        # reported as reward 0.0 it could un-graduate it.
+        if eval_type == "eval" and self.curriculum is not None and stats.n_rollouts:
             self.curriculum.update_eval(stats)
         return stats, batch
 

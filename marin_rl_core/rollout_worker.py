@@ -73,9 +73,18 @@ class RolloutWorker:
             tokenizer=tokenizer,
             curriculum=curriculum,
         )
+        self.seed_salt = 0
+        """Mixed into every sampling seed: set to the step a resumed run starts from, plus a
+        random nonce in a restarted worker process, so neither re-draws earlier problems."""
         self.weight_step = -1  # nothing received yet
         self.weight_syncs = 0
         self.batches_written = 0
+        self.batches_sampled = 0
+        self.empty_batches_in_a_row = 0  # batches in which every problem was dropped
+        self.prompts_too_long = 0
+        self.env_errors = 0
+        self.write_errors = 0
+        self._write_error_logged = -1e9
         self._next_eval = 0
 
     # --- weights ------------------------------------------------------------------------------
@@ -112,7 +121,12 @@ class RolloutWorker:
         self._stop.set()
 
     def _seed(self, counter: int) -> int:
-        return (self.config.seed * 1_000_003 + self.worker_index * 10_007 + counter) % (2**31 - 1)
+        """The seed of this worker's ``counter``-th batch: distinct across workers, counters and
+        :attr:`seed_salt` s (a resumed run's start step, a restarted process's nonce)."""
+        import numpy as np
+
+        entropy = [self.config.seed, self.worker_index, self.seed_salt, counter]
+        return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
 
     def evaluate(self) -> dict[str, float]:
         """Full held-out eval of every lesson with the current weights; logs and returns it."""
@@ -126,8 +140,10 @@ class RolloutWorker:
         )
         metrics: dict[str, Any] = {}
         for lesson_id, (stats, _) in results.items():
-            metrics[f"eval/{lesson_id}/reward"] = stats.mean_reward
             metrics[f"eval/{lesson_id}/n"] = stats.n_rollouts
+            if not stats.n_rollouts:
+                continue  # nothing scored: no reward (a 0.0 here would be a made-up score)
+            metrics[f"eval/{lesson_id}/reward"] = stats.mean_reward
             for name, value in stats.metrics.items():  # the env's Score metrics
                 metrics[f"eval/{lesson_id}/{name}"] = value
         for lesson_id, state in self.curriculum.lesson_states().items():
@@ -139,12 +155,34 @@ class RolloutWorker:
         return metrics
 
     def _write(self, batch: RolloutBatch) -> bool:
+        """Write ``batch``, blocking while storage is full; ``False`` if stopped first.
+
+        A storage error is retried with backoff (0.5 s doubling to 30 s), the same batch each
+        time (storage delivers it once), counted in ``rollout/write_errors`` and logged at most
+        once a minute; nothing is dropped. A storage that keeps failing stops the job through
+        the watchdog, whose report shows these counts."""
+        backoff = 0.5
         while not self._stop.is_set():
             try:
                 self.writer.write_batch(batch, timeout=1.0)
                 return True
             except TimeoutError:
                 continue  # storage is full: the trainer is behind; keep trying until stopped
+            except Exception as exc:  # noqa: BLE001 - any storage error is retried
+                self.write_errors += 1
+                now = time.monotonic()
+                if now - self._write_error_logged > 60:
+                    self._write_error_logged = now
+                    logger.warning(
+                        "writing rollouts to storage failed (%d errors so far), retrying in "
+                        "%.1f s: %s: %s",
+                        self.write_errors,
+                        backoff,
+                        type(exc).__name__,
+                        exc,
+                    )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
         return False
 
     def run(self, *, max_batches: int | None = None) -> dict[str, int]:
@@ -153,7 +191,9 @@ class RolloutWorker:
         counter = 0
         eval_every = self.config.eval.frequency
         while not self._stop.is_set() and (max_batches is None or counter < max_batches):
-            self.sync_weights()
+            sync_start = time.monotonic()
+            synced = self.sync_weights()
+            sync_seconds = time.monotonic() - sync_start
             if self.worker_index == 0 and self.weight_step >= self._next_eval:
                 self.evaluate()
                 self._next_eval = (
@@ -190,10 +230,28 @@ class RolloutWorker:
                 worker_id=self.worker_id,
             )
             counter += 1
-            if batch is not None:
+            self.batches_sampled += 1
+            self.prompts_too_long += int(metrics.get("prompts_too_long", 0))
+            self.env_errors += int(metrics.get("env_errors", 0))
+            write_seconds = 0.0
+            if batch is None:
+                # Every problem was dropped (prompts too long, env errors): retrying at full
+                # speed would only burn CPU and flood the metrics. Back off, 0.05 s doubling to
+                # 5 s; the watchdog names the cause if this goes on.
+                self.empty_batches_in_a_row += 1
+                self._stop.wait(min(0.05 * 2 ** min(self.empty_batches_in_a_row - 1, 7), 5.0))
+            else:
+                self.empty_batches_in_a_row = 0
                 self.manager.update_training_stats(lesson_id, batch, self.weight_step)
+                write_start = time.monotonic()
                 if self._write(batch):
                     self.batches_written += 1
+                write_seconds = time.monotonic() - write_start
+            # Where the worker's time goes: generating and scoring (``seconds``), pulling
+            # weights, and writing (blocked while storage is full: the trainer is behind).
+            metrics["weight_sync_seconds"] = sync_seconds if synced else 0.0
+            metrics["write_seconds"] = write_seconds
+            metrics["write_errors"] = self.write_errors
             metrics = {f"rollout/{k}": v for k, v in metrics.items()}
             metrics["rollout/lesson"] = lesson_id
             metrics["rollout/worker"] = self.worker_index
@@ -202,8 +260,14 @@ class RolloutWorker:
         return self.counters()
 
     def counters(self) -> dict[str, int]:
+        """Totals since the worker started (the watchdog's report uses them)."""
         return {
+            "batches_sampled": self.batches_sampled,
             "batches_written": self.batches_written,
+            "recent_empty_batches": self.empty_batches_in_a_row,
+            "prompts_too_long": self.prompts_too_long,
+            "env_errors": self.env_errors,
+            "write_errors": self.write_errors,
             "weight_syncs": self.weight_syncs,
             "weight_step": self.weight_step,
         }

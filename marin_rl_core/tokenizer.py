@@ -176,7 +176,9 @@ class ArithmeticTokenizer:
         for i in ids:
             i = int(i)
             if not 0 <= i < len(ARITHMETIC_VOCAB):
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})")
+                raise ValueError(
+                    f"token id {i} is outside the vocabulary (0..{self.vocab_size - 1})"
+                )
             if skip_special_tokens and i in self._special_ids:
                 continue
             pieces.append(ARITHMETIC_VOCAB[i])
@@ -213,7 +215,13 @@ class ArithmeticTokenizer:
 
 
 # End-of-turn markers of common chat templates: a response ends at one of these as well as at EOS.
-END_OF_TURN_TOKENS: tuple[str, ...] = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
+END_OF_TURN_TOKENS: tuple[str, ...] = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|eom_id|>",
+)
 
 
 class HFTokenizer:
@@ -293,7 +301,9 @@ class HFTokenizer:
         return self._hf
 
     def __repr__(self) -> str:
-        return f"HFTokenizer({getattr(self._hf, 'name_or_path', '')!r}, vocab_size={self.vocab_size})"
+        return (
+            f"HFTokenizer({getattr(self._hf, 'name_or_path', '')!r}, vocab_size={self.vocab_size})"
+        )
 
 
 def _generation_eos_ids(path: Path) -> list[int]:
@@ -335,7 +345,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
         if not is_hub_id(spec):
             raise ValueError(
                 f"tokenizer {spec!r} is neither 'arithmetic', 'auto', a local directory nor a "
-                "hub id. Use model.tokenizer = \"auto\" (the checkpoint's own), \"arithmetic\", "
+                'hub id. Use model.tokenizer = "auto" (the checkpoint\'s own), "arithmetic", '
                 "or the path of a Hugging Face tokenizer directory."
             )
         path = checkpoint_dir(spec)
@@ -365,7 +375,9 @@ def model_tokenizer(config: ModelConfig) -> Tokenizer:
     return load_tokenizer(str(checkpoint_dir(config.checkpoint)))
 
 
-def encode_prompt(tokenizer: Tokenizer, problem: Problem, *, use_chat_template: bool = True) -> list[int]:
+def encode_prompt(
+    tokenizer: Tokenizer, problem: Problem, *, use_chat_template: bool = True
+) -> list[int]:
     """The prompt tokens of ``problem``.
 
     With a chat template (and ``use_chat_template``), ``problem.messages`` (or, for a plain

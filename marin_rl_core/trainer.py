@@ -10,8 +10,9 @@ Each step waits until the replay buffer can hand out ``trainer.batch_size`` roll
 them, advances the buffer's notion of "current step" (which drops stale rollouts), publishes
 weights every ``sync_interval_steps`` and checkpoints every ``checkpoint_interval_steps``.
 
-Faults: a non-finite loss stops training with :class:`TrainingDivergedError` *before* the bad
-update is checkpointed, so the last good checkpoint stays the newest. :meth:`Trainer.request_stop`
+Faults: a non-finite loss or gradient norm stops training with :class:`TrainingDivergedError`
+before the update is kept, and parameters that are no longer finite are never checkpointed, so
+the last good checkpoint stays the newest. :meth:`Trainer.request_stop`
 (Ctrl-C in the driver) makes :meth:`Trainer.run` save a checkpoint at the current step and return;
 a later run with the same run directory resumes from it.
 """
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl_core.checkpoint import latest_checkpoint, read_state, save_checkpoint
+from marin_rl_core.checkpoint import load_newest, read_state, save_checkpoint
 from marin_rl_core.config import MeshConfig, RLJobConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError, MarinRLError
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
@@ -51,6 +52,39 @@ def initial_model(config: RLJobConfig, tokenizer: Any) -> Any:
     from marin_rl_core.model import build_model
 
     return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed))
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    start = time.monotonic()
+    fn()
+    return time.monotonic() - start
+
+
+def _all_finite(tree: Any) -> bool:
+    """Whether every floating-point array of ``tree`` is free of NaN and infinity."""
+    import equinox as eqx
+
+    _compile_finite()
+    return bool(_finite_jit(eqx.filter(tree, eqx.is_inexact_array)))
+
+
+def _finite(tree: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(tree)
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else True
+
+
+_finite_jit: Any = None
+
+
+def _compile_finite() -> None:
+    global _finite_jit
+    if _finite_jit is None:
+        import jax
+
+        _finite_jit = jax.jit(_finite)
 
 
 def make_schedule(t: TrainerConfig) -> Any:
@@ -407,11 +441,17 @@ class Trainer:
         del model
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
-        checkpoint = latest_checkpoint(self.run_dir)
-        if checkpoint is not None:
-            self.state = self.learner.restore(checkpoint, self.state)
-            self.resumed_state = read_state(checkpoint)
+        self.resume_warnings: list[str] = []
+        found = load_newest(
+            self.run_dir,
+            lambda path, like=self.state: (read_state(path), self.learner.restore(path, like)),
+        )
+        checkpoint = None
+        if found is not None:
+            checkpoint, (self.resumed_state, self.state), self.resume_warnings = found
             self.step = int(self.resumed_state["step"])
+            for warning in self.resume_warnings:
+                logger.warning("%s", warning)
             logger.info("resumed from %s at step %d", checkpoint, self.step)
         logger.info(
             "trainer mesh: %s over %d device(s) (%s), precision %s",
@@ -424,6 +464,27 @@ class Trainer:
         self.replay.set_current_step(self.step)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
+        self.rollouts_read = 0
+        self._stage, self._stage_since = "starting", time.monotonic()
+
+    def _enter(self, stage: str) -> float:
+        """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
+        self._stage, self._stage_since = stage, time.monotonic()
+        return self._stage_since
+
+    def diagnostics(self) -> dict[str, Any]:
+        """What the watchdog reports when no step completes (thread-safe reads)."""
+        replay = self.replay.metrics(reset=False)
+        return {
+            "step": self.step,
+            "stage": self._stage,
+            "stage_seconds": time.monotonic() - self._stage_since,
+            "rollouts_read": self.rollouts_read,
+            "rollouts_in_buffer": int(replay.get("rollouts_in_buffer", 0)),
+            "dropped_stale": int(
+                replay.get("dropped_stale_step", 0) + replay.get("dropped_stale_time", 0)
+            ),
+        }
 
     @property
     def model(self) -> Any:
@@ -442,13 +503,35 @@ class Trainer:
             # In the rollout engines' dtype: what they sample with, and half the bytes for bf16.
             from marin_rl_core.model import cast_floating
 
+            self._enter("publishing weights")
             self.weight_server.publish(
                 cast_floating(self.state.model, self.config.model.resolved_inference_dtype),
                 weight_step=self.step,
             )
             self._published_step = self.step
 
+    def _kept(self) -> str:
+        if self.last_checkpoint_step is None:
+            return "No checkpoint had been written yet: start the run again"
+        return (
+            f"The last good checkpoint (step {self.last_checkpoint_step}) is kept in "
+            f"{self.run_dir / 'checkpoints'}: resume from it with `marinrl run --resume "
+            f"{self.run_dir.absolute()} --set ...`"
+        )
+
     def checkpoint(self) -> Path:
+        """Write a checkpoint of the current state, refusing parameters that are not finite.
+
+        Raises:
+            TrainingDivergedError: a parameter is NaN or infinite (the update of a step whose
+                loss was still finite can do that): the last good checkpoint stays the newest.
+        """
+        self._enter("writing a checkpoint")
+        if not _all_finite(self.state.model):
+            raise TrainingDivergedError(
+                f"training diverged at step {self.step}: the parameters are no longer finite. "
+                f"{self._kept()}; lower trainer.learning_rate or trainer.max_grad_norm."
+            )
         path = save_checkpoint(
             self.run_dir,
             self.step,
@@ -462,7 +545,7 @@ class Trainer:
 
     def _wait_for_batch(self) -> tuple[list[Rollout], np.ndarray, float] | None:
         """Read rollouts until the buffer can fill a batch; ``None`` if asked to stop."""
-        start = time.perf_counter()
+        start = self._enter("waiting for rollouts")
         size = self.config.trainer.batch_size
         while not self._stop.is_set():
             sampled = self.replay.sample(size)
@@ -471,10 +554,11 @@ class Trainer:
                 return (
                     list(rollouts),
                     np.asarray(advantages, dtype=np.float32),
-                    time.perf_counter() - start,
+                    time.monotonic() - start,
                 )
             batches = self.reader.read_batches(max_batches=64, timeout=0.5)
             if batches:
+                self.rollouts_read += sum(len(b.rollouts) for b in batches)
                 self.replay.add_batches(batches, current_step=self.step)
         return None
 
@@ -492,18 +576,16 @@ class Trainer:
             temperature=temperature,
             batch_size=self.config.trainer.batch_size,
         )
-        start = time.perf_counter()
+        start = self._enter("in a training step")
         state, loss, out = self.learner.step(self.state, batch)
-        seconds = time.perf_counter() - start
+        seconds = time.monotonic() - start
         out["loss"] = loss
         out["step_seconds"] = seconds
         bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
         if bad:
             raise TrainingDivergedError(
                 f"training diverged at step {self.step + 1}: non-finite {', '.join(bad)}. "
-                f"The last good checkpoint (step {self.last_checkpoint_step}) is kept in "
-                f"{self.run_dir / 'checkpoints'}; lower trainer.learning_rate or raise "
-                "trainer.max_grad_norm's strictness and resume from it."
+                f"{self._kept()}; lower trainer.learning_rate or trainer.max_grad_norm."
             )
         self.state = state
         self.step += 1
@@ -565,9 +647,9 @@ class Trainer:
             )
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
             if self.step % t.sync_interval_steps == 0 or self.step == total:
-                self.publish()
+                metrics["publish_seconds"] = _timed(self.publish)
             if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
-                self.checkpoint()
+                metrics["checkpoint_seconds"] = _timed(self.checkpoint)
             if self.step % self.config.logging.log_every == 0 or self.step == total:
                 self._log(metrics, step=self.step, source="train")
             self._write_samples(rollouts)

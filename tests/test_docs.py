@@ -11,7 +11,8 @@ import pytest
 from marin_rl_core import ExitCode, build_registry, hookspecs
 from marin_rl_core.config import RLJobConfig
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 
 
 def read(name: str) -> str:
@@ -65,3 +66,20 @@ def test_writing_plugins_walks_through_the_shipped_example():
     assert f'name = "{project["name"]}"' in text and f'version = "{project["version"]}"' in text
     for name, target in project["entry-points"]["marinrl"].items():
         assert f'{name} = "{target}"' in text
+
+
+def test_the_fault_table_names_real_tests_and_documented_exit_codes():
+    """docs/faults.md's table stays in sync: each named test exists, each code is an ExitCode."""
+    import re
+
+    tests = "\n".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    rows = [
+        line for line in read("faults.md").splitlines() if line.startswith("| ") and "`" in line
+    ]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for name in re.findall(r"`(test_\w+)`", cells[3]):
+            assert f"def {name}(" in tests, f"docs/faults.md names {name}, which does not exist"
+        for code, name in re.findall(r"(\d+) `([A-Z_]+)`", cells[2]):
+            assert ExitCode[name] == int(code), row

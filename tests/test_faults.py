@@ -11,10 +11,15 @@ import time
 from pathlib import Path
 
 import attrs
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
 
-from marin_rl_core import EnvPlugin, ExitCode, Problem, build_registry, hookimpl
+from marin_rl_core import EnvPlugin, ExitCode, LessonStats, Problem, build_registry, hookimpl
 from marin_rl_core.checkpoint import latest_checkpoint
 from marin_rl_core.config import resolve_config
+from marin_rl_core.export import trained_model
 
 
 @attrs.frozen
@@ -75,6 +80,39 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     assert stats.n_rollouts == 5 and stats.metrics == {}
 
 
+def test_an_eval_in_which_every_problem_failed_reports_no_score():
+    """Not a reward of 0.0: that would tell the curriculum the lesson was forgotten."""
+    from marin_rl_core.rollout_worker import RolloutWorker
+
+    registry = build_registry(modules=[flaky_plugin])
+    config = resolve_config(
+        registry,
+        selections={"env": "flaky"},
+        overrides=["eval.n_examples=1", 'curriculum.lessons=[{id = "flaky", stop_threshold = 0.5}]'],
+    )
+    curriculum = registry.get("curriculum", "default").build(
+        config.curriculum.config, config.curriculum.lessons
+    )
+    curriculum.update_eval(LessonStats(lesson_id="flaky", mean_reward=1.0, n_rollouts=8, step=0))
+    assert curriculum.lesson_states() == {"flaky": "graduated"}
+    logged: list[dict] = []
+    worker = RolloutWorker(
+        config,
+        registry,
+        worker_index=0,
+        writer=None,
+        weight_client=None,
+        curriculum=curriculum,
+        log=lambda metrics, *, step, source: logged.append(metrics),
+    )
+    worker.manager.env("flaky").score = lambda problem, response: 1 / 0  # every grade fails
+    metrics = worker.evaluate()
+    assert metrics["eval/flaky/n"] == 0
+    assert "eval/flaky/reward" not in metrics
+    assert curriculum.lesson_states() == {"flaky": "graduated"}
+    assert curriculum.state_dict()["eval_history"]["flaky"] == [1.0]
+
+
 def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_path, tiny_mock_job):
     result = cli(
         "run",
@@ -88,24 +126,29 @@ def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_p
         "--set",
         "trainer.checkpoint_interval_steps=1",
         # At this rate AdamW's decoupled weight decay alone (no reward signal is needed)
-        # overflows the weights in one update, so the next loss is not finite.
+        # overflows the weights in one update. The warmup starts at a learning rate of 0, so
+        # step 1 is good; step 2's update overflows while its loss is still finite.
         "--set",
         "trainer.learning_rate=1e30",
         "--set",
         "trainer.weight_decay=0.1",
         "--set",
-        "trainer.warmup_steps=0",
+        "trainer.warmup_steps=2",
         "--set",
         "trainer.max_grad_norm=0.0",
     )
     assert result.exit_code == ExitCode.FAILURE, result.output
     assert "training diverged at step" in result.output
-    assert "last good checkpoint" in result.output
+    assert "last good checkpoint" in result.output and "marinrl run --resume" in result.output
     checkpoint = latest_checkpoint(tmp_path / "diverge")
     assert checkpoint is not None
     step = json.loads((checkpoint / "state.json").read_text())["step"]
     assert 1 <= step < 8
     assert f"(step {step})" in result.output
+    # The kept checkpoint is good: every parameter finite (the blown-up update was not saved).
+    model = trained_model(tmp_path / "diverge", build_registry())[0]
+    leaves = jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))
+    assert leaves and all(bool(np.isfinite(np.asarray(x)).all()) for x in leaves)
 
 
 def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_mock_job):
@@ -147,3 +190,204 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_m
     assert 1 <= state["step"] < 1000
     assert "curriculum" in state
     assert Path(run_dir / "config.toml").exists()
+
+
+# --- the fault battery: real processes, real Ray ---------------------------------------------
+
+
+def _start_job(tmp_path: Path, run_id: str, job: list[str], *extra: str) -> subprocess.Popen:
+    """``marinrl run`` in its own process, as a user runs it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "marin_rl_core", "run", *job]
+        + ["--set", f'run_dir="{tmp_path}"', "--run-id", run_id, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for(proc: subprocess.Popen, what: str, condition, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"the job ended before {what}:\n{err[-3000:]}")
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError(f"timed out waiting for {what}: {proc.communicate()[1][-3000:]}")
+
+
+def _train_steps(run_dir: Path) -> list[int]:
+    from marin_rl_core.metrics import read_metrics
+
+    if not (run_dir / "metrics.jsonl").exists():
+        return []
+    return [r["step"] for r in read_metrics(run_dir) if r["source"] == "train"]
+
+
+def _pid(log: Path, pattern: str) -> int | None:
+    import re
+
+    if not log.exists():
+        return None
+    found = re.findall(pattern + r" (\d+)", log.read_text())
+    return int(found[-1]) if found else None
+
+
+def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tiny_mock_job):
+    run_dir = tmp_path / "restart"
+    proc = _start_job(
+        tmp_path, "restart", tiny_mock_job, "--set", "trainer.num_train_steps=12",
+        "--set", "faults.restart_backoff_s=0.1",
+    )  # fmt: skip
+    log = run_dir / "logs" / "rollout-0.log"
+    _wait_for(proc, "the first training step", lambda: len(_train_steps(run_dir)) >= 1)
+    first = _pid(log, "rollout worker 0 process")
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = _train_steps(run_dir)
+    assert steps == list(range(1, 13)), "every step trained once, none twice"
+    second = _pid(log, "rollout worker 0 process")
+    assert second is not None and second != first, "a new process took over"
+    assert "restarted after its process died" in log.read_text()
+    driver = (run_dir / "driver.log").read_text()
+    assert f"rollout worker 0 died (process {first}); restart 1 of 3" in driver
+    from marin_rl_core.metrics import read_metrics
+
+    restarts = [r for r in read_metrics(run_dir) if "faults/rollout_worker_restarts" in r]
+    assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
+
+
+def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_path, tiny_mock_job):
+    run_dir = tmp_path / "trainer-dies"
+    proc = _start_job(
+        tmp_path, "trainer-dies", tiny_mock_job, "--set", "trainer.num_train_steps=1000",
+        "--set", "trainer.checkpoint_interval_steps=2",
+    )  # fmt: skip
+    _wait_for(proc, "a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists())
+    _wait_for(proc, "step 3", lambda: len(_train_steps(run_dir)) >= 3)
+    trainer = _pid(run_dir / "logs" / "trainer.log", "trainer process")
+    assert trainer is not None
+    os.kill(trainer, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.WORKER_LOST, stderr[-3000:]
+    assert "the trainer process died" in stderr and "Traceback" not in stderr
+    assert f"marinrl run --resume {run_dir}" in stderr
+    kept = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())["step"]
+    assert kept >= 2 and kept % 2 == 0
+
+    # Resumed from another directory: the run goes on in its own directory, not a new one.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    resumed = subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", "run", "--resume", str(run_dir),
+         "--set", f"trainer.num_train_steps={kept + 3}"],
+        capture_output=True, text=True, cwd=elsewhere, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not list(elsewhere.iterdir()), "nothing is written where the command ran"
+    steps = _train_steps(run_dir)
+    assert steps == list(range(1, kept + 4)), "metrics continue without duplicate steps"
+    assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
+def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path, tiny_mock_job, sig):
+    run_dir = tmp_path / "term"
+    proc = _start_job(
+        tmp_path, "term", tiny_mock_job, "--set", "trainer.num_train_steps=1000",
+        "--set", "trainer.checkpoint_interval_steps=1000",
+    )  # fmt: skip
+    _wait_for(proc, "the first training step", lambda: len(_train_steps(run_dir)) >= 1)
+    os.kill(proc.pid, sig)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
+    assert f"marinrl run --resume {run_dir}" in stderr
+    state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    assert 1 <= state["step"] < 1000
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path, tiny_mock_job):
+    run_dir = tmp_path / "damaged"
+    common = [*tiny_mock_job, "--set", "trainer.checkpoint_interval_steps=1"]
+    result = cli(
+        "run", *common, "--set", f'run_dir="{tmp_path}"', "--run-id", "damaged",
+        "--set", "trainer.num_train_steps=2",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    newest = run_dir / "checkpoints" / "step-000002"
+    # A truncated array: every file of the model's embedding table cut to nothing.
+    arrays = [p for p in (newest / "model").rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert arrays
+    for path in arrays:
+        path.write_bytes(b"")
+
+    evaluated = cli("eval", str(run_dir), "--n-examples", "4", "--json")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "step-000002" in evaluated.output and "skipped" in evaluated.output
+    assert json.loads(evaluated.stdout[evaluated.stdout.index("{") :])["step"] == 1
+
+    resumed = cli("run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=3")
+    assert resumed.exit_code == 0, resumed.output
+    assert "damaged and was skipped; resumed from step-000001" in resumed.output
+    assert _train_steps(run_dir) == [1, 2, 3]
+
+
+def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_path):
+    """Every prompt is too long for model.max_seq_len: nothing reaches the trainer. The job
+    stops after faults.stall_timeout_s and says why, instead of waiting forever."""
+    result = cli(
+        "run", "--env", "math",
+        "--set", 'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
+        "--set", "model.max_seq_len=4", "--set", "sampling.max_tokens=2",
+        "--set", "eval.sampling.max_tokens=2", "--set", "eval.n_examples=4",
+        "--set", "faults.stall_timeout_s=20",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "stalled",
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.STALLED, result.output
+    assert "no training step completed for" in result.output
+    assert "prompts longer than 3 tokens" in result.output
+    assert "model.max_seq_len" in result.output and "Traceback" not in result.output
+    rows = (tmp_path / "stalled" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
+
+
+def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(cli, tmp_path, tiny_mock_job):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    result = cli(
+        "run", *tiny_mock_job, "--ray-address", f"127.0.0.1:{port}",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "nowhere",
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.CLUSTER, result.output
+    assert f"nothing answers at 127.0.0.1:{port}" in result.output
+    assert "ray start --head" in result.output
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    result = cli("run", *tiny_mock_job, "--set", f'run_dir="{blocker}"', "--run-id", "x")
+    assert result.exit_code == ExitCode.RUN_DIR, result.output
+    assert f"cannot write {blocker}" in result.output and "Traceback" not in result.output
+
+
+def test_resume_needs_a_run_directory(cli, tmp_path):
+    result = cli("run", "--resume", str(tmp_path))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "not a run directory" in result.output
+    (tmp_path / "config.toml").write_text("")
+    result = cli("run", "--resume", str(tmp_path), "--config", str(tmp_path / "config.toml"))
+    assert result.exit_code == ExitCode.CONFIG
+    assert "leave out --config" in result.output
