@@ -87,7 +87,10 @@ class RolloutWriter(Protocol):
 
     def write_batch(self, batch: RolloutBatch, *, timeout: float | None = None) -> None:
         """Store ``batch``. Blocks while storage is full (back-pressure) up to ``timeout``
-        seconds, then raises ``TimeoutError``; once it returns the batch will be delivered."""
+        seconds, then raises ``TimeoutError`` with the batch not stored; once it returns the
+        batch will be delivered. Any other exception may leave the batch stored or not: the
+        rollout worker writes the same batch again (with backoff), and that must not deliver it
+        twice."""
         ...
 
 
@@ -97,7 +100,8 @@ class RolloutReader(Protocol):
 
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         """Return up to ``max_batches`` batches not returned before, waiting up to ``timeout``
-        seconds for the first one; an empty list when none arrived."""
+        seconds for the first one; an empty list when none arrived. A call that raises must
+        not lose batches: the next call returns them."""
         ...
 
 

@@ -177,6 +177,15 @@ def _load_entry_points(
     return provenance, disabled
 
 
+def _check_blocked_names(blocked: Sequence[str], extra: Sequence[str]) -> None:
+    """A ``--disable-plugin`` name that names no installed plugin is a typo: say so, rather
+    than run with the plugin the user meant to skip."""
+    installed = {ep.name for ep in metadata.entry_points(group=PROJECT)}
+    for name in blocked:
+        if name not in installed and name not in extra:
+            raise UnknownPluginError("plugin", name, installed, where="--disable-plugin")
+
+
 def _register(pm: pluggy.PluginManager, module: Any, name: str, origin: str) -> None:
     try:
         pm.register(module, name=name)
@@ -276,6 +285,7 @@ def build_registry(
     provenance: dict[str, tuple[str, str]] = {}
     disabled: list[str] = []
     if autoload:
+        _check_blocked_names(blocked, extra)
         provenance, disabled = _load_entry_points(pm, set(blocked))
     for path in extra:
         if path in blocked:

@@ -99,8 +99,43 @@ def check_env(record: EnvPlugin) -> None:
                 f"env {record.name!r}: score() must return a float or a Score, got {score!r}"
             )
     if record.default_lessons is not None:
-        lessons = list(record.default_lessons(record.config_class()))
-        assert lessons and all(isinstance(lesson, LessonConfig) for lesson in lessons)
+        check_default_lessons(record)
+
+
+def check_default_lessons(record: EnvPlugin) -> None:
+    """An env's ``default_lessons`` make a curriculum a run accepts: lessons with unique ids,
+    dependencies on lessons that exist and no cycle, and ``env_config`` overrides that
+    structure into the env's config class and build an env that poses problems."""
+    from marin_rl_core.config import _find_cycle, make_converter
+
+    assert record.default_lessons is not None
+    lessons = list(record.default_lessons(record.config_class()))
+    name = f"env {record.name!r}: default_lessons"
+    assert lessons, f"{name} returned no lesson"
+    assert all(isinstance(lesson, LessonConfig) for lesson in lessons), (
+        f"{name} must return LessonConfig objects, got {lessons!r}"
+    )
+    ids = [lesson.id for lesson in lessons]
+    assert len(set(ids)) == len(ids), f"{name}: lesson ids repeat: {ids}"
+    for lesson in lessons:
+        missing = [d.lesson for d in lesson.dependencies if d.lesson not in ids]
+        assert not missing, f"{name}: lesson {lesson.id!r} depends on unknown lessons {missing}"
+    cycle = _find_cycle({lesson.id: [d.lesson for d in lesson.dependencies] for lesson in lessons})
+    assert not cycle, f"{name}: dependencies form a cycle: {' -> '.join(cycle)}"
+    converter = make_converter(build_registry(autoload=False))
+    base = converter.unstructure(record.config_class())
+    for lesson in lessons:
+        if lesson.env not in ("", record.name):
+            continue  # another env's lesson: that env's checks cover it
+        try:
+            config = converter.structure({**base, **dict(lesson.env_config)}, record.config_class)
+        except Exception as exc:
+            raise AssertionError(
+                f"{name}: lesson {lesson.id!r}'s env_config {dict(lesson.env_config)!r} is not a "
+                f"valid {record.config_class.__name__}: {exc}"
+            ) from exc
+        problems = record.build(config).sample_problems(2, mode="train", seed=0)
+        assert problems, f"{name}: lesson {lesson.id!r} poses no problem"
 
 
 def _tiny_group(rewards: list[float]) -> RolloutGroup:
@@ -280,6 +315,7 @@ __all__ = [
     "CHECKS",
     "check_config_class",
     "check_curriculum",
+    "check_default_lessons",
     "check_env",
     "check_loss",
     "check_plugin",

@@ -11,7 +11,8 @@ Lesson states:
   scaled by ``below_start_factor``. A lesson whose eval reward moved less than
   ``plateau_threshold`` over its last ``plateau_window`` evals has *plateaued* and its weight is
   scaled by ``plateau_factor``;
-* **graduated** once its eval reward reaches ``stop_threshold``: still evaluated, and still
+* **graduated** once it is unlocked and its eval reward reaches ``stop_threshold`` (a locked
+  lesson that scores well stays locked until its dependencies are met): still evaluated, and still
   sampled with ``graduated_weight`` so that it is not forgotten. A graduated lesson whose eval
   reward falls below ``stop_threshold - regression_margin`` (it is being forgotten while newer
   lessons take the batches) is active again until it re-reaches ``stop_threshold``.
@@ -133,10 +134,12 @@ class DefaultCurriculum:
         return str(ids[rng.choice(len(ids), p=np.asarray([weights[i] for i in ids]))])
 
     def update_eval(self, stats: LessonStats) -> None:
+        if not stats.n_rollouts:
+            return  # nothing was scored: no evidence either way
         lid, reward = stats.lesson_id, float(stats.mean_reward)
         self._eval_history[lid].append(reward)
         stop = self.lessons[lid].stop_threshold
-        if reward >= stop:
+        if reward >= stop and lid in self._unlocked:  # a locked lesson is never sampled early
             self._graduated.add(lid)
         elif lid in self._graduated and reward < stop - self.config.regression_margin:
             self._graduated.discard(lid)

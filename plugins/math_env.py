@@ -87,6 +87,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -106,6 +108,8 @@ from marin_rl_core import (
     hookimpl,
     one_of,
 )
+
+logger = logging.getLogger(__name__)
 
 ARITHMETIC_TASKS: dict[str, tuple[str, list[tuple[int, int]]]] = {
     "add_small": ("+", [(a, b) for a in range(5) for b in range(5)]),
@@ -149,6 +153,9 @@ class MathEnvConfig:
     format_reward: training reward of a well-formed (``extract`` found an answer) but wrong
         answer to a file or dataset problem; eval reward is correctness only.
     prompt_template: how a question becomes the prompt; ``{question}`` is replaced.
+    grading_timeout_s: the longest ``math-verify`` may take over one response (it runs in a
+        grader process of its own, killed and replaced when it overruns); a response whose
+        grading overruns is wrong, and the env logs it.
     partial_credit: training reward of a generated-task response whose leading number is the
         answer but which goes on after it (``"7\\n"``, ``"7cat"``); 0 grades training by exact
         match too. Eval problems are always graded by exact match.
@@ -174,6 +181,7 @@ class MathEnvConfig:
         default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)]
     )
     prompt_template: str = "{question}"
+    grading_timeout_s: float = attrs.field(default=10.0, validator=attrs.validators.gt(0.0))
     partial_credit: float = attrs.field(
         default=0.5, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)]
     )
@@ -458,7 +466,9 @@ class MathEnv:
         """Generated tasks: exact match (a float). File and dataset tasks: a :class:`Score`
         with ``format`` and ``correct`` (module docstring)."""
         if problem.info.get("task") in ("file", "dataset"):
-            well_formed, correct = grade_response(problem.answer, response, self.config.extract)
+            well_formed, correct = _GRADER.grade(
+                problem.answer, response, self.config.extract, self.config.grading_timeout_s
+            )
             if correct:
                 reward = 1.0
             elif well_formed and problem.info.get("mode") == "train":
@@ -475,10 +485,100 @@ class MathEnv:
         return 0.0
 
 
+class BoundedGrader:
+    """Runs :func:`grade_response` in a grader process of its own, so that every grade has a
+    bounded time in any thread (``math-verify``'s own timeouts use SIGALRM, which works only in
+    a process's main thread, and rollout workers score in other threads).
+
+    The process (``python -m marin_rl_plugins.math_env``) starts on first use and answers one
+    JSON line per JSON line; one that overruns ``timeout`` is killed and replaced on the next
+    grade. Thread-safe: grades are serialised.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: Any = None
+        self.timeouts = 0
+        self._last_warning = -1e9
+
+    def _start(self) -> Any:
+        import subprocess
+        import sys
+
+        return subprocess.Popen(
+            [sys.executable, "-m", "marin_rl_plugins.math_env"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+        )
+
+    def grade(
+        self, reference: str, response: str, extract: str, timeout: float
+    ) -> tuple[bool, bool]:
+        """``grade_response(reference, response, extract)``; after ``timeout`` seconds the
+        response is wrong (well-formed if ``extract`` found an answer in it)."""
+        import select
+        import time
+
+        request = (json.dumps([reference, response, extract]) + "\n").encode()
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = self._start()
+            proc = self._proc
+            deadline = time.monotonic() + timeout
+            try:
+                proc.stdin.write(request)
+                line = b""
+                while not line.endswith(b"\n"):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                        raise TimeoutError
+                    chunk = os.read(proc.stdout.fileno(), 1 << 16)
+                    if not chunk:
+                        raise BrokenPipeError("the grader process ended")
+                    line += chunk
+                well_formed, correct = json.loads(line)
+                return bool(well_formed), bool(correct)
+            except (TimeoutError, OSError, ValueError) as exc:
+                proc.kill()
+                proc.wait()
+                self._proc = None
+                self.timeouts += isinstance(exc, TimeoutError)
+                now = time.monotonic()
+                if now - self._last_warning > 60:  # at most one warning a minute
+                    self._last_warning = now
+                    logger.warning(
+                        "grading a response took longer than %g s (grading_timeout_s) or failed "
+                        "(%s); it counts as wrong. %d timeouts so far. Response: %.200r",
+                        timeout,
+                        type(exc).__name__,
+                        self.timeouts,
+                        response,
+                    )
+                answer = None if extract == "none" else extract_answer(response, extract)
+                return answer is not None, False
+
+
+_GRADER = BoundedGrader()
+
+
+def _serve_grades() -> None:
+    """The grader process: one ``[reference, response, extract]`` JSON line in, one
+    ``[well_formed, correct]`` line out, until stdin closes."""
+    import sys
+
+    for line in sys.stdin:
+        reference, response, extract = json.loads(line)
+        well_formed, correct = grade_response(reference, response, extract)
+        sys.stdout.write(json.dumps([well_formed, correct]) + "\n")
+        sys.stdout.flush()
+
+
 def grade_response(reference: str, response: str, extract: str) -> tuple[bool, bool]:
     """``(well_formed, correct)``: whether ``extract`` finds an answer in ``response`` (with
     ``"none"``: whether ``math-verify`` does), and whether ``math-verify`` finds it equal to
-    ``reference``."""
+    ``reference``. Unbounded in a thread other than the main one: use :class:`BoundedGrader`."""
     from math_verify import parse, verify
 
     # math-verify times out with SIGALRM, which only the main thread may use.
@@ -560,3 +660,7 @@ def marinrl_register_envs():
         build=MathEnv,
         default_lessons=default_lessons,
     )
+
+
+if __name__ == "__main__":
+    _serve_grades()

@@ -3,9 +3,19 @@
 Rollout workers put Arrow IPC bytes (:mod:`marin_rl_core.rollout_serialization`) into the queue
 actor; the trainer takes them out. The queue holds at most ``capacity`` batches: a writer waits
 while it is full (back-pressure), up to its timeout, then gets ``TimeoutError`` and the batch is
-*not* stored. A batch is accepted exactly once: each writer numbers its batches and the queue
-ignores a number it has already accepted, so a retried call cannot duplicate a batch, and a
-taken batch is removed in the same actor call that returns it.
+*not* stored.
+
+Every batch is delivered exactly once:
+
+* **writes**: each writer numbers its batches and the queue ignores a number it has already
+  accepted. A write that fails without knowing whether the queue took the batch (a lost reply)
+  keeps its number, and writing the same batch again reuses it, so the retry cannot store it
+  twice.
+* **reads**: the queue numbers the batches it accepts, and a batch stays in the queue until the
+  reader acknowledges it. Each read asks for the batches after the last one the reader has
+  received (its *position*); that acknowledges, and removes, everything up to there. A read whose
+  reply is lost, or whose batches fail to decode, leaves the position where it was, so the next
+  read gets the same batches again.
 
 Nothing outlives the Ray cluster: the queue is in memory only. The storage object is a small
 picklable handle (queue name and namespace); the queue actor is created, or looked up, on first
@@ -53,12 +63,16 @@ class RolloutQueue:
 
     def __init__(self, capacity: int):
         self._capacity = capacity
-        self._items: collections.deque[bytes] = collections.deque()
+        # (number, data): numbered in acceptance order; kept until the reader acknowledges them.
+        self._items: collections.deque[tuple[int, bytes]] = collections.deque()
         self._changed = asyncio.Condition()
         self._next_seq: dict[str, int] = {}
         self._accepted = 0
-        self._taken = 0
+        self._acknowledged = 0
+        self._redelivered = 0
+        self._delivered_upto = 0  # the highest number ever handed to the reader
         self._timeouts = 0
+        self._duplicates = 0
 
     async def _wait(self, predicate: Any, timeout: float | None) -> bool:
         """Wait (holding the condition's lock) until ``predicate()``; False on timeout."""
@@ -72,6 +86,11 @@ class RolloutQueue:
             return False
         return True
 
+    def _has_room(self) -> bool:
+        """Capacity counts the batches not yet handed to the reader (delivered ones wait only
+        for its acknowledgement)."""
+        return self._accepted - self._delivered_upto < self._capacity
+
     async def put(self, writer_id: str, seq: int, data: bytes, timeout: float | None) -> str:
         """Append ``data`` unless ``seq`` from ``writer_id`` was already accepted.
 
@@ -80,27 +99,37 @@ class RolloutQueue:
         """
         async with self._changed:
             if seq < self._next_seq.get(writer_id, 0):
+                self._duplicates += 1
                 return "duplicate"
-            if not await self._wait(lambda: len(self._items) < self._capacity, timeout):
+            if not await self._wait(self._has_room, timeout):
                 self._timeouts += 1
                 return "timeout"
             if seq < self._next_seq.get(writer_id, 0):  # a concurrent retry got in first
+                self._duplicates += 1
                 return "duplicate"
-            self._items.append(data)
-            self._next_seq[writer_id] = seq + 1
             self._accepted += 1
+            self._items.append((self._accepted, data))
+            self._next_seq[writer_id] = seq + 1
             self._changed.notify_all()
             return "accepted"
 
-    async def take(self, max_batches: int, timeout: float) -> list[bytes]:
-        """Remove and return up to ``max_batches`` items, waiting up to ``timeout`` s for one."""
+    async def take(self, after: int, max_batches: int, timeout: float) -> list[tuple[int, bytes]]:
+        """Acknowledge (remove) every batch numbered ``<= after``, then return up to
+        ``max_batches`` of the next ones with their numbers, waiting up to ``timeout`` s for one.
+        Returned batches stay queued until a later call acknowledges them."""
         async with self._changed:
+            after = min(after, self._delivered_upto)  # never drop what was not delivered
+            before = len(self._items)
+            while self._items and self._items[0][0] <= after:
+                self._items.popleft()
+            self._acknowledged += before - len(self._items)
             if not await self._wait(lambda: bool(self._items), timeout):
                 return []
-            out = [self._items.popleft() for _ in range(min(max_batches, len(self._items)))]
-            self._taken += len(out)
-            if out:
-                self._changed.notify_all()
+            out = list(itertools.islice(self._items, max_batches))
+            self._redelivered += sum(1 for number, _ in out if number <= self._delivered_upto)
+            if out[-1][0] > self._delivered_upto:
+                self._delivered_upto = out[-1][0]
+                self._changed.notify_all()  # room for writers
             return out
 
     async def stats(self) -> dict[str, int]:
@@ -108,7 +137,10 @@ class RolloutQueue:
             "queued_batches": len(self._items),
             "capacity": self._capacity,
             "accepted_batches": self._accepted,
-            "taken_batches": self._taken,
+            "taken_batches": self._delivered_upto,
+            "acknowledged_batches": self._acknowledged,
+            "redelivered_batches": self._redelivered,
+            "duplicate_writes": self._duplicates,
             "write_timeouts": self._timeouts,
         }
 
@@ -121,38 +153,49 @@ class MemoryRolloutWriter:
         self._description = description
         self._id = uuid.uuid4().hex
         self._seq = 0
+        # A batch whose write failed without an answer, and the number it was sent with: the
+        # queue may hold it, so writing it again must reuse that number.
+        self._unsure: tuple[bytes, int] | None = None
         self._lock = threading.Lock()
 
     def write_batch(self, batch: RolloutBatch, *, timeout: float | None = None) -> None:
         """Store ``batch``; wait while the queue is full, up to ``timeout`` seconds (``None``:
-        forever), then raise ``TimeoutError`` with the batch not stored."""
+        forever), then raise ``TimeoutError`` with the batch not stored. Any other error leaves
+        it unknown whether the batch was stored: write the same batch again (it is stored at
+        most once)."""
         import ray
 
         from marin_rl_core.rollout_serialization import serialize_rollout_batch
 
         data = serialize_rollout_batch(batch)
         with self._lock:  # keeps this writer's batches in order if shared between threads
+            seq = self._seq
+            if self._unsure is not None and self._unsure[0] == data:
+                seq = self._unsure[1]  # the same batch again: the queue drops a duplicate
             try:
-                status = ray.get(self._queue.put.remote(self._id, self._seq, data, timeout))
+                status = ray.get(self._queue.put.remote(self._id, seq, data, timeout))
             except BaseException:
-                # Unknown whether the queue took it: never reuse its number for another batch.
-                self._seq += 1
+                self._unsure = (data, seq)
+                self._seq = max(self._seq, seq + 1)  # never give this number to another batch
                 raise
-            if status == "timeout":  # certainly not stored, so its number is free again
+            if status == "timeout":  # not stored by this call: its number is free again
                 raise TimeoutError(
                     f"{self._description} stayed full for {timeout} s, so the batch was not "
                     "stored: the trainer is reading rollouts more slowly than they are written. "
                     "Raise [storage] capacity, lower num_rollout_workers, or pass a longer "
                     "timeout to write_batch."
                 )
-            self._seq += 1
+            self._unsure = None  # "accepted", or "duplicate": the earlier try stored it
+            self._seq = max(self._seq, seq + 1)
 
 
 class MemoryRolloutReader:
-    """The trainer's end: takes batches out of the queue (each batch is returned once)."""
+    """The trainer's end: every accepted batch is returned by exactly one successful call."""
 
     def __init__(self, queue: Any):
         self._queue = queue
+        self.position = 0
+        """The number of the last batch this reader has received (0: none yet)."""
 
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         import ray
@@ -161,11 +204,11 @@ class MemoryRolloutReader:
 
         if max_batches < 1:
             return []
-        items = ray.get(self._queue.take.remote(max_batches, max(0.0, timeout)))
-        return [deserialize_rollout_batch(item) for item in items]
-
-
-_uid = itertools.count()
+        items = ray.get(self._queue.take.remote(self.position, max_batches, max(0.0, timeout)))
+        batches = [deserialize_rollout_batch(data) for _, data in items]
+        if items:  # only now received: the next read acknowledges them
+            self.position = items[-1][0]
+        return batches
 
 
 class MemoryRolloutStorage:

@@ -82,3 +82,22 @@ def test_state_survives_a_json_round_trip(policy):
 def test_state_of_an_unknown_lesson_is_rejected(policy):
     with pytest.raises(ValueError, match="unknown lessons: \\['gone'\\]"):
         policy.load_state_dict({"eval_history": {"gone": [0.5]}})
+
+
+def test_a_locked_lesson_that_scores_well_stays_locked_and_unsampled(policy):
+    policy.update_eval(stats("hard", 1.0))  # it happens to score above its stop threshold
+    assert policy.lesson_states()["hard"] == "locked"
+    assert {policy.sample_lesson(seed=s) for s in range(100)} == {"easy"}
+    policy.update_eval(stats("easy", 0.91))  # now its dependency is met
+    policy.update_eval(stats("hard", 1.0))
+    assert policy.lesson_states()["hard"] == "graduated"
+
+
+def test_an_eval_with_no_scored_problem_changes_nothing(policy):
+    policy.update_eval(stats("easy", 0.96))
+    assert policy.lesson_states()["easy"] == "graduated"
+    before = policy.state_dict()
+    empty = LessonStats(lesson_id="easy", mean_reward=0.0, n_rollouts=0, step=5)
+    policy.update_eval(empty)  # every problem was dropped: not a score of 0
+    assert policy.state_dict() == before
+    assert policy.lesson_states()["easy"] == "graduated"

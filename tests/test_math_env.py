@@ -434,3 +434,27 @@ def test_the_documented_dataset_config_is_a_valid_math_config():
     config = MathEnvConfig(**env)  # builds nothing: the dataset is loaded by the env
     assert config.dataset == "openai/gsm8k" and config.extract == "auto"
     assert [lesson.id for lesson in default_lessons(config)] == ["gsm8k"]
+
+
+def test_grading_is_bounded_in_any_thread(caplog):
+    """math-verify's own timeout works only in a main thread; rollout workers score in others.
+    A response whose grading would run for hours (sympy evaluating 9^9^9^9) is cut off, counts
+    as wrong, and the next response is graded as usual."""
+    import threading
+
+    from marin_rl_plugins.math_env import BoundedGrader
+
+    grader = BoundedGrader()
+    results = {}
+
+    def grade_in_a_worker_thread():
+        results["hang"] = grader.grade("42", "\\boxed{9^{9^{9^{9}}}}", "auto", 2.0)
+        results["next"] = grader.grade("42", "so it is \\boxed{42}", "auto", 30.0)
+
+    thread = threading.Thread(target=grade_in_a_worker_thread)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "grading did not return"
+    assert results == {"hang": (True, False), "next": (True, True)}
+    assert grader.timeouts == 1
+    assert "took longer than 2 s (grading_timeout_s)" in caplog.text

@@ -138,7 +138,7 @@ def test_a_repeated_put_is_not_stored_twice(make_storage):
     assert ray.get(queue.put.remote("writer-a", 0, b"x", 1.0)) == "accepted"
     assert ray.get(queue.put.remote("writer-a", 0, b"x", 1.0)) == "duplicate"
     assert ray.get(queue.put.remote("writer-a", 1, b"y", 1.0)) == "accepted"
-    assert ray.get(queue.take.remote(10, 0.0)) == [b"x", b"y"]
+    assert ray.get(queue.take.remote(0, 10, 0.0)) == [(1, b"x"), (2, b"y")]
 
 
 @ray.remote(num_cpus=0)
@@ -172,6 +172,69 @@ def test_concurrent_writers_deliver_every_batch_exactly_once(make_storage):
     assert stats["accepted_batches"] == stats["taken_batches"] == n_writers * n_batches
     for actor in actors:
         ray.kill(actor)
+
+
+class LostReply:
+    """A queue handle whose ``put`` reaches the queue but whose reply is lost, once."""
+
+    def __init__(self, queue):
+        self._queue, self.lost = queue, 0
+
+    def __getattr__(self, name):
+        return getattr(self._queue, name)
+
+    @property
+    def put(self):
+        outer = self
+
+        class Put:
+            @staticmethod
+            def remote(*args):
+                ref = outer._queue.put.remote(*args)
+                if outer.lost:
+                    return ref
+                ray.get(ref)  # the queue took it ...
+                outer.lost += 1
+                raise ConnectionError("reply lost")  # ... but the writer never hears so
+
+        return Put
+
+
+def test_a_retried_write_after_a_lost_reply_is_stored_once(make_storage):
+    storage = make_storage(capacity=4)
+    writer, reader = storage.writer(), storage.reader()
+    writer._queue = LostReply(writer._queue)
+    batch = make_batch("w", 0)
+    with pytest.raises(ConnectionError):
+        writer.write_batch(batch, timeout=1)
+    writer.write_batch(batch, timeout=1)  # the caller retries the same batch
+    writer.write_batch(make_batch("w", 1), timeout=1)
+    keys = [batch_key(b) for b in reader.read_batches(max_batches=10, timeout=1)]
+    assert keys == [("w", 0), ("w", 1)]
+    assert storage.stats()["duplicate_writes"] == 1
+
+
+def test_a_failed_read_loses_nothing_and_the_next_read_gets_the_same_batches(
+    make_storage, monkeypatch
+):
+    storage = make_storage(capacity=4)
+    writer, reader = storage.writer(), storage.reader()
+    for i in range(3):
+        writer.write_batch(make_batch("w", i), timeout=1)
+
+    def broken(data):
+        raise OSError("the read failed half way")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("marin_rl_core.rollout_serialization.deserialize_rollout_batch", broken)
+        with pytest.raises(OSError):
+            reader.read_batches(max_batches=2, timeout=1)
+    first = reader.read_batches(max_batches=2, timeout=1)
+    rest = reader.read_batches(max_batches=10, timeout=1)
+    assert [batch_key(b) for b in first + rest] == [("w", 0), ("w", 1), ("w", 2)]
+    assert reader.read_batches(max_batches=10, timeout=0.05) == []
+    stats = storage.stats()
+    assert stats["redelivered_batches"] == 2 and stats["acknowledged_batches"] == 3
 
 
 def test_config_rejects_a_zero_capacity():

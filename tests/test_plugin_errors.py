@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from marin_rl_core import ExitCode
 
 ENV_MODULE = """
@@ -128,6 +130,23 @@ def test_extra_plugin_module_is_loaded_and_listed(cli, install_dist):
     assert rows["twin"]["plugin"] == "twin_local"
     assert rows["twin"]["summary"] == "local twin"
     assert rows["twin"]["hooks"] == ["marinrl_register_envs"]
+    # The plugin flags also work before the subcommand, as docs/writing-plugins.md shows them.
+    before = cli("--plugin", "twin_local", "plugins", "list", "--kind", "env", "--json")
+    assert before.exit_code == 0, before.output
+    assert json.loads(before.output) == json.loads(result.output)
+    skipped = cli("--disable-plugin", "mock", "plugins", "list", "--kind", "env", "--json")
+    assert [row["name"] for row in json.loads(skipped.output)] == ["math"]
+
+
+def test_disabling_a_plugin_that_is_not_installed_is_an_error(cli):
+    for args in (
+        ["--disable-plugin", "mok", "plugins", "list"],
+        ["config", "show", "--disable-plugin", "mok"],
+    ):
+        result = cli(*args)
+        assert result.exit_code == ExitCode.UNKNOWN_PLUGIN, result.output
+        assert "unknown plugin 'mok' (at --disable-plugin)" in result.output
+        assert "Did you mean 'mock'?" in result.output
 
 
 def test_registration_hook_yielding_the_wrong_record_type_is_an_error(cli, install_dist):
