@@ -59,10 +59,11 @@ def save_checkpoint(
     *,
     trainer_state: Any,
     state: dict[str, Any] | None = None,
+    files: dict[str, bytes] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step`` (a levanter ``TrainerState`` and the JSON-able ``state``) and
-    keep the newest ``keep`` of them. Returns its directory."""
+    """Write checkpoint ``step`` (a levanter ``TrainerState``, the JSON-able ``state`` and
+    ``files`` by name) and keep the newest ``keep`` of them. Returns its directory."""
     import levanter.checkpoint
 
     root = _root(run_dir)
@@ -71,6 +72,8 @@ def save_checkpoint(
     tmp = root / f".step-{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     levanter.checkpoint.save_checkpoint(trainer_state, step, str(tmp), is_temporary=False)
+    for name, data in (files or {}).items():
+        (tmp / name).write_bytes(data)
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(state or {})}, indent=2))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -472,6 +472,11 @@ def report(
             summary = summarize(run_dir)
         except FileNotFoundError as exc:
             raise ConfigError(str(exc)) from None
+        if not summary["rows"]:
+            raise ConfigError(
+                f"{run_dir / 'metrics.jsonl'} has no readable rows: the run has logged nothing "
+                "yet, or the file is damaged"
+            )
         Console().print(render_summary(summary))
         typer.echo(f"reward curve: {plot_reward_curve(run_dir)}")
 
@@ -479,9 +484,27 @@ def report(
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. An error no command turned into a message (a bug, or a
+    failure nobody foresaw) is one line on the console; its traceback goes to a log file."""
     try:
         app()
     except KeyboardInterrupt:
         _err("interrupted")
         sys.exit(int(ExitCode.INTERRUPTED))
+    except Exception as exc:  # noqa: BLE001 - the last line of defence
+        import tempfile
+        import time
+        import traceback
+
+        log = Path(tempfile.gettempdir()) / f"marinrl-error-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        try:
+            log.write_text("".join(traceback.format_exception(exc)))
+            where = f"The traceback is in {log}"
+        except OSError:
+            where = "The traceback could not be written"
+        first = (str(exc).strip().splitlines() or [""])[0]
+        _err(
+            f"unexpected {type(exc).__name__}: {first}. {where}; this is a marinrl bug: please "
+            "report it with that file."
+        )
+        sys.exit(int(ExitCode.FAILURE))

@@ -568,7 +568,15 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist.")
-    text = path.read_text()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at "
+            f"offset {exc.start}); save it as UTF-8."
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {exc.strerror}.") from None
     try:
         if path.suffix == ".toml":
             data = tomllib.loads(text)

@@ -190,13 +190,15 @@ class TrainerService(_SetUpError):
         )
 
     def ready(self) -> dict[str, Any]:
-        """The weight server's address, the step it starts from, the curriculum state of the
-        checkpoint it restored and warnings for the user (damaged checkpoints it skipped)."""
+        """The weight server's address, the step it starts from, the curriculum state and each
+        rollout worker's next batch (``positions``) of the checkpoint it restored, and warnings
+        for the user (damaged checkpoints it skipped)."""
         self._check()
         return {
             "address": self.server.address,
             "step": self.trainer.step,
             "curriculum": self.trainer.resumed_state.get("curriculum"),
+            "positions": dict(self.trainer.rollout_positions),
             "warnings": list(self.trainer.resume_warnings),
         }
 
@@ -234,9 +236,9 @@ class RolloutService(_SetUpError):
         address: str,
         curriculum: Any,
         hub: Any,
-        start_step: int = 0,
+        start_batch: int = 0,
     ):
-        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub, start_step))
+        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub, start_batch))
 
     def _build(
         self,
@@ -245,10 +247,18 @@ class RolloutService(_SetUpError):
         address: str,
         curriculum: Any,
         hub: Any,
-        start_step: int,
+        start_batch: int,
     ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
-        logger.info("rollout worker %d process %d", wc.index, os.getpid())
+        import ray
+
+        logger.info(
+            "rollout worker %d process %d on node %s (%s)",
+            wc.index,
+            os.getpid(),
+            ray.get_runtime_context().get_node_id(),
+            ray.util.get_node_ip_address(),
+        )
         from marin_rl_core.rollout_worker import RolloutWorker
 
         config, registry = wc.resolve()
@@ -264,9 +274,7 @@ class RolloutService(_SetUpError):
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
         )
-        import ray
-
-        self.worker.seed_salt = start_step
+        self.worker.next_batch = start_batch
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
             logger.warning("rollout worker %d restarted after its process died", wc.index)
@@ -503,14 +511,25 @@ class RLJob:
             _no_token_auth_notice
         )
         # address="local": a new instance even where `ray start` left a cluster address behind
-        # (plain ray.init() would try to join that one). Ray binds its servers to the node's
-        # address (it has no loopback-only setting); token authentication guards them.
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            log_to_driver=False,
-            num_cpus=os.cpu_count() or 2,
-        )
+        # (plain ray.init() would try to join that one). Ray's single-machine mode (its default
+        # on macOS and Windows) puts the node on 127.0.0.1, so every server of this instance
+        # listens on loopback only; Ray reads the switch when it picks the node's address.
+        from ray._private import ray_constants
+
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=os.cpu_count() or 2,
+            )
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        address = ray.get_runtime_context().gcs_address
+        if not address.startswith(("127.", "[::1]", "localhost")):
+            logger.warning("the local Ray instance listens at %s, not on loopback only", address)
         return True
 
     def _stop_ray(self) -> None:
@@ -565,12 +584,15 @@ class RLJob:
         restore_sigterm = _handle_sigterm()
         try:
             ray_address = ray.get_runtime_context().gcs_address
-            check_resources(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            check_resources(config, [n["Resources"] for n in nodes])
             self._write_run_dir(config)
             logger.info(
-                "%s Ray cluster at %s",
+                "%s Ray cluster at %s: %d node(s) at %s",
                 "started a local" if started_ray and not config.ray_address else "using the",
                 ray_address,
+                len(nodes),
+                ", ".join(str(n.get("NodeManagerAddress")) for n in nodes),
             )
             try:
                 return self._run_actors(config, ray_address, progress)
@@ -636,6 +658,9 @@ class RLJob:
             # of steps after it (logged by the run that died) give way to the steps trained again.
             ray.get(curriculum.load_state.remote(info["curriculum"]))
             start_step = int(info["step"])
+            # Each rollout worker goes on after the last batch the checkpoint received, so the
+            # resumed run draws the problems the uninterrupted one would have drawn.
+            positions = {int(k): int(v) for k, v in info["positions"].items()}
             if start_step or info["curriculum"] is not None:
                 dropped = ray.get(hub.resume_at.remote(start_step))
                 logger.info(
@@ -651,7 +676,7 @@ class RLJob:
                     max_restarts=faults.worker_restarts,
                     max_task_retries=0,
                 )
-                .remote(wc, storage, info["address"], curriculum, hub, start_step)
+                .remote(wc, storage, info["address"], curriculum, hub, positions.get(wc.index, 0))
                 for wc in rollout_wcs
             ]
             actors += rollouts
@@ -775,6 +800,12 @@ class _Watch:
             logger.warning("rollout worker %d's run failed: %s", i, _first_line(exc))
             self.pid_refs[i] = self.rollouts[i].process.remote()
             return
+        except Exception:
+            # A worker that lost the trainer (its weight server gone) fails too: the trainer's
+            # death, not the worker's symptom of it, is what the user must hear about.
+            if ray.wait([self.train_run], timeout=10)[0]:
+                self._trainer_result()
+            raise
         log = self.job.run_dir / "logs" / f"rollout-{i}.log"
         raise MarinRLError(
             f"rollout worker {i} stopped before training finished; see {log}"

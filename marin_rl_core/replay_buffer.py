@@ -23,12 +23,12 @@ Thread-safe: the trainer may ingest on one thread and sample on another.
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 import numpy as np
@@ -104,7 +104,7 @@ class ReplayBuffer:
         self._rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
         self._entries: list[_Entry] = []  # oldest first
-        self._group_ids = itertools.count()
+        self._next_group = 0
         self._current_step = 0
         self._window: dict[str, _EnvCounters] = defaultdict(_EnvCounters)
         self._accepted_total: dict[str, int] = defaultdict(int)
@@ -188,7 +188,8 @@ class ReplayBuffer:
                 f"{type(self._loss).__name__}.compute_advantages returned {advantages.shape[0]} "
                 f"advantages for a group of {len(rollouts)} rollouts; it must return one each"
             )
-        group_id = next(self._group_ids)
+        group_id = self._next_group
+        self._next_group += 1
         rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
         counters = self._window[rollouts[0].env_name]
         counters.groups += 1
@@ -216,6 +217,54 @@ class ReplayBuffer:
             for entry in self._entries[:excess]:
                 self._window[entry.env].evicted += 1
             self._entries = self._entries[excess:]
+
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[bytes, dict[str, Any]]:
+        """What a checkpoint keeps, so that a resumed run samples as this one would: the held
+        rollouts as Arrow IPC bytes (:mod:`~marin_rl_core.rollout_serialization`, one group
+        per rollout) and JSON-able state (each one's advantage, group and uses, the sampling
+        RNG, the step and the totals)."""
+        from marin_rl_core.rollout_serialization import serialize_rollout_batch
+
+        with self._lock:
+            batch = RolloutBatch(groups=[RolloutGroup(rollouts=(e.rollout,)) for e in self._entries])
+            state = {
+                "advantages": [e.advantage for e in self._entries],
+                "groups": [e.group for e in self._entries],
+                "uses": [e.uses for e in self._entries],
+                "next_group": self._next_group,
+                "current_step": self._current_step,
+                "rng": self._rng.bit_generator.state,
+                "accepted_total": dict(self._accepted_total),
+                "used_total": dict(self._used_total),
+            }
+            return serialize_rollout_batch(batch), state
+
+    def load_state_dict(self, data: bytes, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: the bytes and the state do not belong together (a damaged checkpoint).
+        """
+        from marin_rl_core.rollout_serialization import deserialize_rollout_batch
+
+        rollouts = deserialize_rollout_batch(data).rollouts
+        columns = [state["advantages"], state["groups"], state["uses"]]
+        if any(len(c) != len(rollouts) for c in columns):
+            raise ValueError(
+                f"replay buffer state lists {len(columns[0])} rollouts, its data {len(rollouts)}"
+            )
+        with self._lock:
+            self._entries = [
+                _Entry(rollout=r, advantage=float(a), group=int(g), uses=int(u))
+                for r, a, g, u in zip(rollouts, *columns, strict=True)
+            ]
+            self._next_group = int(state["next_group"])
+            self._current_step = int(state["current_step"])
+            self._rng.bit_generator.state = state["rng"]
+            self._accepted_total = defaultdict(int, state["accepted_total"])
+            self._used_total = defaultdict(int, state["used_total"])
 
     # --- sampling ------------------------------------------------------------------------------
 

@@ -80,7 +80,8 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
     ax.grid(alpha=0.3)
     ax.set_title(f"{Path(run_dir).name}: reward")
     # Outside the axes: inside, it always covers some curve.
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # nothing logged yet: no legend to draw
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -91,7 +92,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The numbers the summary table shows, as data."""
     rows = read_metrics(run_dir)
     train = [r for r in rows if r.get("source") == "train"]
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "train_steps": 0}
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "train_steps": 0, "rows": len(rows)}
     if train:
         last = train[-1]
         summary.update(
@@ -112,12 +113,69 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
                 "last_step": steps[-1],
             }
     summary["eval"] = dict(lessons)
+    summary["stages"] = stage_seconds(rows)
     return summary
 
 
+TRAINER_STAGES = {
+    "waiting for rollouts": "wait_seconds",
+    "training": "step_seconds",
+    "publishing weights": "publish_seconds",
+    "checkpointing": "checkpoint_seconds",
+}
+ROLLOUT_STAGES = {
+    "generating": "rollout/seconds",
+    "scoring": "rollout/score_seconds",
+    "pulling weights": "rollout/weight_sync_seconds",
+    "blocked writing (storage full)": "rollout/write_seconds",
+}
+
+
+def stage_seconds(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Mean seconds per trainer step and per rollout batch in each stage (seed 004's pipeline
+    monitor): ``{"trainer": {stage: s}, "rollout": {stage: s}}``, stages with data only."""
+    out: dict[str, dict[str, float]] = {}
+    for side, source, stages in (
+        ("trainer", "train", TRAINER_STAGES),
+        ("rollout", "rollout", ROLLOUT_STAGES),
+    ):
+        side_rows = [r for r in rows if r.get("source") == source]
+        means = {}
+        for stage, key in stages.items():
+            values = [float(r[key]) for r in side_rows if isinstance(r.get(key), int | float)]
+            if values:
+                means[stage] = sum(values) / len(values)
+        if means:
+            out[side] = means
+    return out
+
+
+def bottleneck(stages: dict[str, dict[str, float]]) -> str | None:
+    """Which side holds the job back, from :func:`stage_seconds`."""
+    trainer = stages.get("trainer", {})
+    rollout = stages.get("rollout", {})
+    if trainer and sum(trainer.values()) > 0:
+        waiting = trainer.get("waiting for rollouts", 0.0) / sum(trainer.values())
+        if waiting > 0.5:
+            return f"the rollout side: the trainer waits for rollouts {waiting:.0%} of the time"
+    if rollout and sum(rollout.values()) > 0:
+        blocked = rollout.get("blocked writing (storage full)", 0.0) / sum(rollout.values())
+        if blocked > 0.3:
+            return f"the trainer: rollout workers wait on full storage {blocked:.0%} of the time"
+    return None
+
+
+def _stage_line(name: str, unit: str, stages: dict[str, float]) -> str:
+    total = sum(stages.values()) or 1.0
+    parts = ", ".join(f"{stage} {s:.3f} s ({s / total:.0%})" for stage, s in stages.items())
+    return f"{name} per {unit}: {parts}"
+
+
 def render_summary(summary: dict[str, Any]) -> Any:
-    """A rich table of :func:`summarize`'s output."""
+    """A rich table of :func:`summarize`'s output, with the per-stage timings below it."""
+    from rich.console import Group
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title=f"run {summary['run_dir']}", show_lines=False)
     table.add_column("lesson")
@@ -139,4 +197,14 @@ def render_summary(summary: dict[str, Any]) -> Any:
     if isinstance(summary.get("final_entropy"), float):
         caption.append(f"entropy {summary['final_entropy']:.3f}")
     table.caption = ", ".join(caption)
-    return table
+    # Where the time went: below the table, one line each (a caption would wrap them).
+    lines = []
+    stages = summary.get("stages", {})
+    if "trainer" in stages:
+        lines.append(_stage_line("trainer", "step", stages["trainer"]))
+    if "rollout" in stages:
+        lines.append(_stage_line("rollout worker", "batch", stages["rollout"]))
+    slowest = bottleneck(stages)
+    if slowest:
+        lines.append(f"bottleneck: {slowest}")
+    return Group(table, *(Text(line) for line in lines))

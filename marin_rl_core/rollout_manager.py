@@ -168,13 +168,17 @@ class RolloutManager:
         weight_step: int,
         worker_id: str,
         sampling: SamplingParams | None = None,
+        worker_index: int | None = None,
+        batch_index: int | None = None,
     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pose ``n_examples`` problems, sample ``n_generations`` responses each, score them.
+        ``worker_index`` and ``batch_index`` go into every rollout's metadata.
 
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
         attached to every rollout, and metrics: ``reward``, ``env_errors``, ``prompts_too_long``
         (problems dropped because their prompt does not fit ``model.max_seq_len``), ``frac_truncated``,
-        ``tokens``, ``generated_tokens``, ``seconds``, ``tokens_per_second``, and
+        ``tokens``, ``generated_tokens``, ``seconds`` (generating), ``score_seconds`` (decoding
+        and scoring), ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
         averaged over the rollouts that report it.
         """
@@ -236,11 +240,16 @@ class RolloutManager:
         seconds = time.perf_counter() - start
         stop_set = set(self._stop_tokens(sampling))
         metadata = RolloutMetadata(
-            worker_id=worker_id, timestamp=time.time(), weight_step=weight_step
+            worker_id=worker_id,
+            timestamp=time.time(),
+            weight_step=weight_step,
+            worker_index=worker_index,
+            batch_index=batch_index,
         )
         groups: list[RolloutGroup] = []
         generated = 0
         score_metrics: dict[str, list[float]] = {}
+        score_start = time.perf_counter()
         for problem, prompt, problem_samples in zip(kept, prompts, samples):
             rollouts = []
             group_metrics: list[Mapping[str, float]] = []
@@ -271,6 +280,7 @@ class RolloutManager:
             for rollout_metrics in group_metrics:
                 for name, value in rollout_metrics.items():
                     score_metrics.setdefault(name, []).append(value)
+        score_seconds = time.perf_counter() - score_start
         batch = RolloutBatch(groups=groups) if groups else None
         rollouts_all = batch.rollouts if batch else []
         metrics = {
@@ -283,6 +293,7 @@ class RolloutManager:
             "tokens": float(sum(r.num_tokens for r in rollouts_all)),
             "generated_tokens": float(generated),
             "seconds": seconds,
+            "score_seconds": score_seconds,
             "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
         }
         for name, values in score_metrics.items():

@@ -6,6 +6,7 @@ A batch becomes an Arrow stream with one row per rollout, in group order::
     prompt_tokens list<int32>, response_tokens list<int32>, response_logprobs list<float32>,
     reward float64, truncated bool,
     worker_id string?, timestamp float64?, weight_step int64?   (null when metadata is None)
+    worker_index int64?, batch_index int64?                     (null when not known)
 
 The schema's metadata carries the format name, :data:`FORMAT_VERSION` and the number of groups
 (so groups without rollouts survive the round trip). Decoding checks the schema exactly and
@@ -24,7 +25,7 @@ import pyarrow as pa
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 FORMAT_NAME = b"marinrl.rollout_batch"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the schema changes; decoders refuse versions they do not know."""
 
 _KEY_FORMAT = b"marinrl.format"
@@ -44,6 +45,8 @@ _FIELDS = [
     pa.field("worker_id", pa.string()),
     pa.field("timestamp", pa.float64()),
     pa.field("weight_step", pa.int64()),
+    pa.field("worker_index", pa.int64()),
+    pa.field("batch_index", pa.int64()),
 ]
 ROLLOUT_SCHEMA = pa.schema(_FIELDS)
 """The row schema (without the per-batch schema metadata)."""
@@ -85,6 +88,8 @@ def rollout_batch_to_table(batch: RolloutBatch) -> pa.Table:
         pa.array([m.worker_id if m else None for m in meta], pa.string()),
         pa.array([float(m.timestamp) if m else None for m in meta], pa.float64()),
         pa.array([int(m.weight_step) if m else None for m in meta], pa.int64()),
+        pa.array([m.worker_index if m else None for m in meta], pa.int64()),
+        pa.array([m.batch_index if m else None for m in meta], pa.int64()),
     ]
     schema = ROLLOUT_SCHEMA.with_metadata(
         {
@@ -182,13 +187,19 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
     worker = table.column("worker_id").to_pylist()
     timestamp = table.column("timestamp").to_pylist()
     weight_step = table.column("weight_step").to_pylist()
+    worker_index = table.column("worker_index").to_pylist()
+    batch_index = table.column("batch_index").to_pylist()
 
     groups: list[list[Rollout]] = [[] for _ in range(num_groups)]
     for i in range(table.num_rows):
         metadata = None
         if worker[i] is not None:
             metadata = RolloutMetadata(
-                worker_id=worker[i], timestamp=timestamp[i], weight_step=weight_step[i]
+                worker_id=worker[i],
+                timestamp=timestamp[i],
+                weight_step=weight_step[i],
+                worker_index=worker_index[i],
+                batch_index=batch_index[i],
             )
         try:
             rollout = Rollout(

@@ -30,6 +30,16 @@ EVAL_SEED_OFFSET = 7_919
 """Eval problems come from this seed offset: the same held-out problems at every eval."""
 
 
+def batch_seed(run_seed: int, worker_index: int, batch_index: int, *, salt: int = 0) -> int:
+    """The seed of a rollout worker's batch: its lesson draw, ``Env.sample_problems`` seed and
+    sampling keys. Distinct across workers, batches and salts (a restarted worker process
+    draws a random salt), and the same in a resumed run as in an uninterrupted one."""
+    import numpy as np
+
+    entropy = [run_seed, worker_index, salt, batch_index]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
+
+
 class RolloutWorker:
     """See the module docstring.
 
@@ -73,9 +83,13 @@ class RolloutWorker:
             tokenizer=tokenizer,
             curriculum=curriculum,
         )
+        self.next_batch = 0
+        """The counter of the next batch: with the run's seed and the worker index it fixes the
+        batch's lesson, problems and sampling keys. A resumed run starts each worker after the
+        last batch its checkpoint had received, so it draws what the run would have drawn."""
         self.seed_salt = 0
-        """Mixed into every sampling seed: set to the step a resumed run starts from, plus a
-        random nonce in a restarted worker process, so neither re-draws earlier problems."""
+        """Mixed into every sampling seed: a random nonce in a rollout worker process that Ray
+        restarted, so that it does not draw again what its dead predecessor drew."""
         self.weight_step = -1  # nothing received yet
         self.weight_syncs = 0
         self.batches_written = 0
@@ -121,12 +135,7 @@ class RolloutWorker:
         self._stop.set()
 
     def _seed(self, counter: int) -> int:
-        """The seed of this worker's ``counter``-th batch: distinct across workers, counters and
-        :attr:`seed_salt` s (a resumed run's start step, a restarted process's nonce)."""
-        import numpy as np
-
-        entropy = [self.config.seed, self.worker_index, self.seed_salt, counter]
-        return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
+        return batch_seed(self.config.seed, self.worker_index, counter, salt=self.seed_salt)
 
     def evaluate(self) -> dict[str, float]:
         """Full held-out eval of every lesson with the current weights; logs and returns it."""
@@ -188,9 +197,10 @@ class RolloutWorker:
     def run(self, *, max_batches: int | None = None) -> dict[str, int]:
         """Generate and ship rollout batches until stopped; returns counters."""
         self.wait_for_weights(0)
-        counter = 0
+        counter = self.next_batch
         eval_every = self.config.eval.frequency
-        while not self._stop.is_set() and (max_batches is None or counter < max_batches):
+        end = None if max_batches is None else counter + max_batches
+        while not self._stop.is_set() and (end is None or counter < end):
             sync_start = time.monotonic()
             synced = self.sync_weights()
             sync_seconds = time.monotonic() - sync_start
@@ -228,8 +238,11 @@ class RolloutWorker:
                 seed=self._seed(counter),
                 weight_step=self.weight_step,
                 worker_id=self.worker_id,
+                worker_index=self.worker_index,
+                batch_index=counter,
             )
             counter += 1
+            self.next_batch = counter
             self.batches_sampled += 1
             self.prompts_too_long += int(metrics.get("prompts_too_long", 0))
             self.env_errors += int(metrics.get("env_errors", 0))
@@ -255,6 +268,7 @@ class RolloutWorker:
             metrics = {f"rollout/{k}": v for k, v in metrics.items()}
             metrics["rollout/lesson"] = lesson_id
             metrics["rollout/worker"] = self.worker_index
+            metrics["rollout/batch_index"] = counter - 1
             metrics["rollout/weight_syncs"] = self.weight_syncs
             self._log(metrics, step=max(self.weight_step, 0), source="rollout")
         return self.counters()

@@ -39,6 +39,8 @@ from marin_rl_core.registry import Registry
 from marin_rl_core.types import Rollout
 
 logger = logging.getLogger(__name__)
+REPLAY_FILE = "replay_buffer.arrow"
+"""The replay buffer's rollouts in a checkpoint (Arrow IPC; the rest is in ``state.json``)."""
 
 
 class TrainingDivergedError(MarinRLError):
@@ -442,17 +444,27 @@ class Trainer:
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
         self.resume_warnings: list[str] = []
-        found = load_newest(
-            self.run_dir,
-            lambda path, like=self.state: (read_state(path), self.learner.restore(path, like)),
-        )
+        self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
+        self.rollout_positions: dict[int, int] = {}
+        """Per rollout worker, the counter after the newest batch read from storage."""
+        found = load_newest(self.run_dir, lambda path: self._restore(path, like=self.state))
         checkpoint = None
         if found is not None:
             checkpoint, (self.resumed_state, self.state), self.resume_warnings = found
             self.step = int(self.resumed_state["step"])
+            self.rollout_positions = {
+                int(k): int(v) for k, v in self.resumed_state.get("rollout_positions", {}).items()
+            }
             for warning in self.resume_warnings:
                 logger.warning("%s", warning)
-            logger.info("resumed from %s at step %d", checkpoint, self.step)
+            logger.info(
+                "resumed from %s at step %d: %d rollouts back in the replay buffer, rollout "
+                "workers go on from batches %s",
+                checkpoint,
+                self.step,
+                len(self.replay),
+                self.rollout_positions or "0",
+            )
         logger.info(
             "trainer mesh: %s over %d device(s) (%s), precision %s",
             self.learner.sizes,
@@ -460,12 +472,19 @@ class Trainer:
             jax.devices()[0].platform,
             self.learner.mp,
         )
-        self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
         self.replay.set_current_step(self.step)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
         self.rollouts_read = 0
         self._stage, self._stage_since = "starting", time.monotonic()
+
+    def _restore(self, path: Path, *, like: Any) -> tuple[dict[str, Any], Any]:
+        """Read checkpoint ``path``: its state, the replay buffer it held, the trainer state."""
+        state = read_state(path)
+        replay = path / REPLAY_FILE
+        if replay.exists():  # checkpoints of older versions have none: an empty buffer
+            self.replay.load_state_dict(replay.read_bytes(), state["replay_buffer"])
+        return state, self.learner.restore(path, like)
 
     def _enter(self, stage: str) -> float:
         """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
@@ -532,11 +551,17 @@ class Trainer:
                 f"training diverged at step {self.step}: the parameters are no longer finite. "
                 f"{self._kept()}; lower trainer.learning_rate or trainer.max_grad_norm."
             )
+        replay_data, replay_state = self.replay.state_dict()
         path = save_checkpoint(
             self.run_dir,
             self.step,
             trainer_state=self.state,
-            state={"curriculum": self._curriculum_state()},
+            state={
+                "curriculum": self._curriculum_state(),
+                "replay_buffer": replay_state,
+                "rollout_positions": {str(k): v for k, v in self.rollout_positions.items()},
+            },
+            files={REPLAY_FILE: replay_data},
         )
         self.last_checkpoint_step = self.step
         return path
@@ -559,6 +584,12 @@ class Trainer:
             batches = self.reader.read_batches(max_batches=64, timeout=0.5)
             if batches:
                 self.rollouts_read += sum(len(b.rollouts) for b in batches)
+                for rollout in (r for b in batches for r in b.rollouts):
+                    meta = rollout.metadata
+                    if meta is not None and meta.worker_index is not None:
+                        after = (meta.batch_index or 0) + 1
+                        if after > self.rollout_positions.get(meta.worker_index, 0):
+                            self.rollout_positions[meta.worker_index] = after
                 self.replay.add_batches(batches, current_step=self.step)
         return None
 
@@ -612,6 +643,8 @@ class Trainer:
                             "reward": r.reward,
                             "truncated": r.truncated,
                             "worker_id": meta.worker_id if meta else None,
+                            "worker": meta.worker_index if meta else None,
+                            "batch": meta.batch_index if meta else None,
                             "weight_step": meta.weight_step if meta else None,
                             "timestamp": meta.timestamp if meta else None,
                         }

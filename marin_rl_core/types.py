@@ -141,11 +141,17 @@ class RolloutMetadata:
         worker_id: which rollout worker produced it.
         timestamp: ``time.time()`` when it was generated.
         weight_step: the trainer step whose weights sampled it.
+        worker_index: the rollout worker's index in the job (``None``: not from a job's worker).
+        batch_index: that worker's batch counter when it sampled the rollout. With the run's
+            seed and the worker index it fixes the problems and sampling keys the batch drew; a
+            resumed run goes on from the batch after the last one its checkpoint had received.
     """
 
     worker_id: str
     timestamp: float
     weight_step: int
+    worker_index: int | None = None
+    batch_index: int | None = None
 
 
 @attrs.frozen(kw_only=True, eq=False)

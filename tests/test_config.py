@@ -195,3 +195,11 @@ def test_a_partial_table_overrides_only_its_keys():
     assert config.eval.sampling.temperature == default.eval.sampling.temperature == 0.0
     assert config.eval.sampling.n_generations_per_prompt == 1
     assert config.sampling == default.sampling
+
+
+def test_a_config_file_that_is_not_utf8_is_a_config_error(cli, tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes("[trainer]\n# r\xe9glages\nbatch_size = 32\n".encode("latin-1"))
+    result = cli("config", "validate", str(path))
+    assert result.exit_code == 3
+    assert "is not UTF-8 text (byte 0xe9 at offset 13); save it as UTF-8" in result.output

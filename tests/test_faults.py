@@ -263,10 +263,36 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
     assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
 
 
+def _problems_by_batch(run_dir: Path, after: int = 0) -> dict[int, set[str]]:
+    """The problems of worker 0's batch k that were trained on after step ``after`` (every
+    trained rollout is in samples.jsonl with its worker and batch counter)."""
+    found: dict[int, set[str]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["step"] > after and row["worker"] == 0:
+            found.setdefault(row["batch"], set()).add(row["problem"])
+    return found
+
+
+def _drawn(batch: int) -> set[str]:
+    """The problems worker 0's batch ``batch`` draws in the tiny mock job (seed 0, 4 prompts)."""
+    from marin_rl_core.rollout_worker import batch_seed
+
+    registry = build_registry()
+    config = resolve_config(registry, selections={"env": "mock"})
+    env = registry.get("env", "mock").build(config.env.config)
+    return {p.id for p in env.sample_problems(4, mode="train", seed=batch_seed(0, 0, batch))}
+
+
 def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_path, tiny_mock_job):
+    """SIGKILL the trainer; --resume (from another directory) goes on from the checkpoint with
+    its replay buffer and each rollout worker's batch counter: after the resume it draws the
+    same problems as an uninterrupted run, and the metrics have each step once."""
     run_dir = tmp_path / "trainer-dies"
+    # Every trained rollout goes to samples.jsonl, with its worker and batch counter.
+    job = [*tiny_mock_job, "--set", "logging.samples_per_step=32"]
     proc = _start_job(
-        tmp_path, "trainer-dies", tiny_mock_job, "--set", "trainer.num_train_steps=1000",
+        tmp_path, "trainer-dies", job, "--set", "trainer.num_train_steps=1000",
         "--set", "trainer.checkpoint_interval_steps=2",
     )  # fmt: skip
     _wait_for(proc, "a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists())
@@ -278,8 +304,10 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
     assert proc.returncode == ExitCode.WORKER_LOST, stderr[-3000:]
     assert "the trainer process died" in stderr and "Traceback" not in stderr
     assert f"marinrl run --resume {run_dir}" in stderr
-    kept = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())["step"]
+    state = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())
+    kept, position = state["step"], state["rollout_positions"]["0"]
     assert kept >= 2 and kept % 2 == 0
+    assert position >= kept, "the checkpoint knows how far worker 0's batches were read"
 
     # Resumed from another directory: the run goes on in its own directory, not a new one.
     elsewhere = tmp_path / "elsewhere"
@@ -294,6 +322,17 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
     steps = _train_steps(run_dir)
     assert steps == list(range(1, kept + 4)), "metrics continue without duplicate steps"
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
+
+    # After the resume, worker 0 goes on at the batch after the last one the checkpoint had
+    # read (none drawn twice), and batch k poses what batch k poses in any run of this config,
+    # an uninterrupted one included.
+    after_resume = _problems_by_batch(run_dir, after=kept)
+    assert after_resume and min(after_resume) >= position, (position, sorted(after_resume))
+    for batch, problems in after_resume.items():
+        assert problems <= _drawn(batch), f"batch {batch} posed other problems"
+    before = _problems_by_batch(run_dir)
+    for batch in set(before) - set(after_resume):
+        assert before[batch] <= _drawn(batch)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
@@ -391,3 +430,50 @@ def test_resume_needs_a_run_directory(cli, tmp_path):
     result = cli("run", "--resume", str(tmp_path), "--config", str(tmp_path / "config.toml"))
     assert result.exit_code == ExitCode.CONFIG
     assert "leave out --config" in result.output
+
+
+LOOPBACK_PROBE = """
+import json, os, sys
+import psutil, ray
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.job import RLJob
+
+registry = build_registry()
+job = RLJob(resolve_config(registry, selections={"env": "mock"}), registry)
+assert job._start_ray()
+
+@ray.remote
+class Probe:
+    def pid(self):
+        return os.getpid()
+
+ray.get(Probe.remote().pid.remote())  # a worker process too
+session = os.path.basename(ray._private.worker._global_node.get_session_dir_path())
+me = psutil.Process()
+procs = {p.pid: p for p in me.children(recursive=True)}
+for p in psutil.process_iter(["cmdline"]):
+    if session in " ".join(p.info["cmdline"] or []):
+        procs[p.pid] = p
+listening = set()
+for p in [me, *procs.values()]:
+    for c in p.net_connections(kind="inet"):
+        if c.status == psutil.CONN_LISTEN:
+            listening.add(c.laddr.ip)
+job._stop_ray()
+print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AUTH_MODE")}))
+"""
+
+
+def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.run(
+        [sys.executable, "-c", LOOPBACK_PROBE], capture_output=True, text=True, timeout=300,
+        env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["listening"], "no listening socket found: the probe is broken"
+    assert set(found["listening"]) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, found
+    assert found["auth"] is None, "RAY_AUTH_MODE is given back after the job"
+    assert "Token authentication" not in proc.stderr

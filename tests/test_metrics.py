@@ -62,3 +62,19 @@ def test_rows_go_to_an_offline_wandb_run_under_the_run_directory(tmp_path, monke
 def test_unknown_tracker_is_a_config_error_at_its_path():
     with pytest.raises(ConfigError, match=r"unknown tracker 'tensorbord'.*@ \$\.logging\.tracker"):
         resolve_config(build_registry(), overrides=['logging.tracker=["jsonl", "tensorbord"]'])
+
+
+def test_trackers_get_a_step_that_never_goes_back(tmp_path):
+    """Rollout and eval rows carry the lagging weight step; wandb drops a row whose step is
+    lower than one it has seen. Trackers get the newest step, metrics.jsonl keeps each row's."""
+    hub = MetricsHub(str(tmp_path), trackers=("jsonl", "tensorboard"), run_id="r2")
+    hub.log({"reward": 0.5}, step=5, source="train")
+    hub.log({"rollout/reward": 0.25}, step=3, source="rollout")  # sampled with step-3 weights
+    hub.log({"eval/a/reward": 0.75}, step=4, source="eval")
+    hub.log({"reward": 0.6}, step=6, source="train")
+    hub.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [5, 3, 4, 6]
+    scalars = tensorboard_scalars(tmp_path / "tensorboard" / "r2")
+    assert scalars["rollout/reward"] == [(5, 0.25)]
+    assert scalars["eval/a/reward"] == [(5, 0.75)]
+    assert [step for step, _ in scalars["reward"]] == [5, 6]

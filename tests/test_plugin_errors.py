@@ -172,3 +172,31 @@ def test_registration_hook_yielding_the_wrong_record_type_is_an_error(cli, insta
     result = cli("plugins", "list")
     assert result.exit_code == ExitCode.PLUGIN_CONTRACT
     assert "marinrl_register_envs must yield EnvPlugin records, got LossPlugin" in result.output
+
+
+def test_an_unforeseen_error_is_one_line_and_its_traceback_goes_to_a_file(tmp_path):
+    """A bug in marinrl itself (injected here into config resolution) must not dump a
+    traceback on the user: one line naming the error and the file that holds the traceback."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    inject = (
+        "import sys, marin_rl_core.config as config, marin_rl_core.cli as cli\n"
+        "def buggy(*args, **kwargs):\n"
+        "    return {}['no such key']\n"
+        "config.resolve_config = buggy\n"
+        "sys.argv = ['marinrl', 'config', 'show']\n"
+        "cli.main()\n"
+    )
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", inject], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == ExitCode.FAILURE
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert "unexpected KeyError: 'no such key'" in proc.stderr
+    log = re.search(r"The traceback is in (\S+);", proc.stderr)
+    assert log and log.group(1).startswith(str(tmp_path)), proc.stderr
+    assert "def buggy" not in proc.stderr and "buggy" in open(log.group(1)).read()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,56 +36,91 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Nodes:
+    """Ray nodes started with ``ray start --block``, each in its own process group, so that
+    the teardown stops exactly these."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.ray_bin = str(Path(sys.executable).with_name("ray"))
+
+    def start(self, *args: str, env: dict[str, str] = CLUSTER_ENV) -> None:
+        self.procs.append(
+            subprocess.Popen(
+                [self.ray_bin, "start", "--block", "--disable-usage-stats", *args],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
+        )
+
+    def wait_for(self, address: str, count: int) -> None:
+        """Until ``ray status`` shows ``count`` live nodes."""
+        deadline = time.time() + 120
+        while True:
+            status = subprocess.run(
+                [self.ray_bin, "status", f"--address={address}"],
+                capture_output=True,
+                text=True,
+                env=CLUSTER_ENV,
+            )
+            active = status.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
+            if status.returncode == 0 and active.count(" node_") >= count:
+                return
+            if any(p.poll() is not None for p in self.procs) or time.time() > deadline:
+                self.stop()
+                pytest.fail(f"the Ray cluster at {address} did not come up:\n{status}")
+            time.sleep(1)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc in reversed(self.procs):
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A separately started single-node Ray cluster; yields its address. ``--block`` keeps
-    ``ray start`` in the foreground, in its own process group, so that the teardown stops
-    exactly this cluster. (Token auth is off: it is a loopback test cluster.)"""
+    """A separately started single-node Ray cluster; yields its address."""
     port = free_port()
     # Its own temp dir, apart from the other Ray instances of this test session.
     temp_dir = tempfile.mkdtemp(prefix="ray-")
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-    env = CLUSTER_ENV
-    head = subprocess.Popen(
-        [
-            ray_bin,
-            "start",
-            "--head",
-            "--block",
-            f"--port={port}",
-            "--num-cpus=2",
-            "--include-dashboard=false",
-            "--disable-usage-stats",
-            f"--temp-dir={temp_dir}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        env=env,
-    )
-
-    def stop() -> None:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=20)
-
+    nodes = Nodes()
+    nodes.start(
+        "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+        f"--temp-dir={temp_dir}",
+    )  # fmt: skip
     address = f"127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        status = subprocess.run(
-            [ray_bin, "status", f"--address={address}"], capture_output=True, text=True, env=env
-        )
-        if status.returncode == 0:
-            break
-        if head.poll() is not None or time.time() > deadline:
-            stop()
-            pytest.fail(f"the Ray head at {address} did not come up:\n{status.stderr[-2000:]}")
-        time.sleep(1)
+    nodes.wait_for(address, 1)
     yield address
-    stop()
+    nodes.stop()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_node_cluster():
+    """A head and a second node on this machine, each with one ``rollout_slot``. (Ray gives a
+    cluster node the machine's own network address, not 127.0.0.1; the traffic stays on this
+    machine.)"""
+    port = free_port()
+    temp_dir = tempfile.mkdtemp(prefix="ray-")
+    nodes = Nodes()
+    slot = '{"rollout_slot": 1}'
+    nodes.start(
+        "--head", f"--port={port}", "--num-cpus=2", f"--resources={slot}",
+        "--include-dashboard=false", f"--temp-dir={temp_dir}",
+    )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    nodes.wait_for(address, 1)
+    nodes.start(f"--address={address}", "--num-cpus=1", f"--resources={slot}")
+    nodes.wait_for(address, 2)
+    yield address
+    nodes.stop()
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
@@ -139,4 +175,24 @@ def test_without_an_address_the_job_starts_its_own_ray_beside_a_running_cluster(
     log, run_dir = run_job(tmp_path, "local")
     port = ray_cluster.rsplit(":", 1)[1]
     assert "started a local Ray cluster at" in log and f":{port}" not in log, log
+    assert trained_steps(run_dir) == [1, 2]
+
+
+def test_rollout_workers_spread_over_two_nodes_and_the_job_finishes(
+    two_node_cluster, run_job, tmp_path
+):
+    """Each node has one rollout_slot and each worker asks for one, so Ray must place the two
+    rollout workers on different nodes."""
+    log, run_dir = run_job(
+        tmp_path, "two-nodes", "--ray-address", two_node_cluster,
+        "--set", "num_rollout_workers=2",
+        "--set", "resources.rollout.custom={rollout_slot = 1}",
+    )  # fmt: skip
+    assert "2 node(s) at" in log, log
+    placed = {}
+    for i in range(2):
+        text = (run_dir / "logs" / f"rollout-{i}.log").read_text()
+        placed[i] = re.search(rf"rollout worker {i} process \d+ on node (\w+) \(([^)]*)\)", text)
+        assert placed[i], text
+    assert placed[0].group(1) != placed[1].group(1), "both rollout workers on one node"
     assert trained_steps(run_dir) == [1, 2]

@@ -14,3 +14,31 @@ def test_running_mean_averages_the_last_window_values():
 def test_running_mean_uses_what_there_is_at_the_start():
     values = [0.0, 1.0, 0.0, 1.0]
     assert _running_mean(values, 10) == pytest.approx([0.0, 0.5, 1 / 3, 0.5])
+
+
+def test_the_summary_says_where_the_time_went_and_which_side_holds_the_job_back(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from marin_rl_core.report import render_summary, summarize
+
+    rows = [
+        {"source": "train", "step": s, "time": float(s), "reward": 0.5, "wait_seconds": 0.3,
+         "step_seconds": 0.1, "publish_seconds": 0.0, "checkpoint_seconds": 0.0}
+        for s in (1, 2)
+    ] + [
+        {"source": "rollout", "step": 1, "time": 1.0, "rollout/seconds": 0.2,
+         "rollout/score_seconds": 0.05, "rollout/weight_sync_seconds": 0.0,
+         "rollout/write_seconds": 0.0}
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = summarize(tmp_path)
+    assert summary["stages"]["trainer"]["waiting for rollouts"] == pytest.approx(0.3)
+    assert summary["stages"]["rollout"]["generating"] == pytest.approx(0.2)
+    console = Console(width=200, record=True)
+    console.print(render_summary(summary))
+    text = console.export_text()
+    assert "trainer per step: waiting for rollouts 0.300 s (75%), training 0.100 s (25%)" in text
+    assert "rollout worker per batch: generating 0.200 s (80%), scoring 0.050 s (20%)" in text
+    assert "bottleneck: the rollout side: the trainer waits for rollouts 75% of the time" in text

@@ -30,7 +30,11 @@ def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bo
         reward=float(rng.standard_normal()) / 3.0,  # not representable in float32
         truncated=bool(i % 2),
         metadata=RolloutMetadata(
-            worker_id=f"worker-{i}", timestamp=1.7e9 + i / 7.0, weight_step=2**40 + i
+            worker_id=f"worker-{i}",
+            timestamp=1.7e9 + i / 7.0,
+            weight_step=2**40 + i,
+            worker_index=i % 3 if i % 4 else None,  # known or not: both round-trip
+            batch_index=2**33 + i if i % 4 else None,
         )
         if metadata
         else None,
