@@ -68,11 +68,35 @@ class WorkerConfig:
         return resolve_config(registry, data=self.config), registry
 
 
+class _LogFile(logging.FileHandler):
+    """A log file that, once it cannot be written (a full disk), says so in one line and stops
+    trying, instead of printing a traceback for every record."""
+
+    _broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._broken:
+            super().emit(record)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the last flush onto a full disk: already said
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._broken:
+            self._broken = True
+            error = sys.exc_info()[1]
+            print(f"warning: cannot write {self.baseFilename} ({error}); logging to it stops",
+                  file=sys.stderr)  # fmt: skip
+
+
 def _worker_logging(run_dir: str, name: str) -> None:
     """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
     path = Path(run_dir) / "logs"
     path.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path / f"{name}.log")
+    handler = _LogFile(path / f"{name}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
@@ -227,15 +251,19 @@ class TrainerService(_SetUpError):
 
 
 class RolloutService(_SetUpError):
-    """One rollout worker process (a Ray actor)."""
+    """One rollout worker process (a Ray actor), restarted by Ray when its process dies.
+
+    It finds the job's curriculum and metrics hub by their actor names: Ray re-runs the
+    constructor of a restarted actor with the same arguments, and actor handles among them
+    would have to stay pinned for that (Ray says so on the console)."""
 
     def __init__(
         self,
         wc: WorkerConfig,
         storage: Any,
         address: str,
-        curriculum: Any,
-        hub: Any,
+        curriculum: str,
+        hub: str,
         start_batch: int = 0,
     ):
         self._set_up(lambda: self._build(wc, storage, address, curriculum, hub, start_batch))
@@ -245,12 +273,14 @@ class RolloutService(_SetUpError):
         wc: WorkerConfig,
         storage: Any,
         address: str,
-        curriculum: Any,
-        hub: Any,
+        curriculum_name: str,
+        hub_name: str,
         start_batch: int,
     ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
+
+        curriculum, hub = ray.get_actor(curriculum_name), ray.get_actor(hub_name)
 
         logger.info(
             "rollout worker %d process %d on node %s (%s)",
@@ -549,7 +579,7 @@ class RLJob:
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.toml").write_text(dump_config(config, self.registry))
-            handler = logging.FileHandler(self.driver_log)
+            handler = _LogFile(self.driver_log)
         except OSError as exc:
             raise run_dir_error(exc, self.run_dir, resumable=False) from None
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -616,6 +646,12 @@ class RLJob:
         logger.error("the job failed", exc_info=exc)
         if isinstance(cause, OSError) and cause.errno in RUN_DIR_ERRNOS:
             return run_dir_error(cause, self.run_dir, resumable=True)
+        if "No space left on device" in str(cause):  # TensorStore's errors are not OSErrors
+            return run_dir_error(
+                OSError(errno.ENOSPC, "No space left on device", str(self.run_dir)),
+                self.run_dir,
+                resumable=True,
+            )
         return MarinRLError(
             f"the job failed: {type(cause).__name__}: {_first_line(cause)}. The traceback is in "
             f"{self.driver_log} and the workers' logs in {self.run_dir / 'logs'}; the last "
@@ -632,12 +668,18 @@ class RLJob:
         actors: list[Any] = []
         storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
         try:
+            names = {role: f"marinrl-{self.run_id}-{os.urandom(4).hex()}-{role}" for role in
+                     ("hub", "curriculum")}  # fmt: skip
             hub = (
                 ray.remote(MetricsHub)
-                .options(num_cpus=0)
+                .options(num_cpus=0, name=names["hub"])
                 .remote(str(self.run_dir), config.logging.tracker, self.run_id)
             )
-            curriculum = ray.remote(CurriculumService).options(num_cpus=0).remote(trainer_wc)
+            curriculum = (
+                ray.remote(CurriculumService)
+                .options(num_cpus=0, name=names["curriculum"])
+                .remote(trainer_wc)
+            )
             trainer = (
                 ray.remote(TrainerService)
                 .options(**config.resources.trainer.ray_options(), max_concurrency=4)
@@ -676,7 +718,14 @@ class RLJob:
                     max_restarts=faults.worker_restarts,
                     max_task_retries=0,
                 )
-                .remote(wc, storage, info["address"], curriculum, hub, positions.get(wc.index, 0))
+                .remote(
+                    wc,
+                    storage,
+                    info["address"],
+                    names["curriculum"],
+                    names["hub"],
+                    positions.get(wc.index, 0),
+                )
                 for wc in rollout_wcs
             ]
             actors += rollouts
@@ -757,6 +806,13 @@ class _Watch:
                 refs = [self.train_run, *self.runs.values()]
                 done, _ = ray.wait(refs, num_returns=1, timeout=1.0)
                 latest = ray.get(self.hub.latest.remote(), timeout=60)
+                if "write_error" in latest:  # metrics.jsonl cannot be written: stop, with why
+                    failed = latest["write_error"]
+                    raise run_dir_error(
+                        OSError(failed["errno"], failed["strerror"], failed["path"]),
+                        self.job.run_dir,
+                        resumable=True,
+                    )
                 step = int(latest.get("train_step", self.start))
                 if step > self.step:
                     self.step, last_progress = step, time.monotonic()

@@ -57,9 +57,13 @@ class MetricsHub:
     def log(self, metrics: Mapping[str, Any], *, step: int, source: str) -> None:
         row = {"step": int(step), "source": source, "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
-        self._file.write(json.dumps(row) + "\n")
         self._latest.update(row)
         self._latest[f"{source}_step"] = int(step)
+        try:
+            self._file.write(json.dumps(row) + "\n")
+        except OSError as exc:  # a full disk: the driver stops the job and says so
+            self._latest.setdefault("write_error", {"path": str(self.path), "errno": exc.errno,
+                                                    "strerror": exc.strerror})  # fmt: skip
         if self._external:
             # wandb refuses a step lower than one it has seen: rows stamped with a lagging
             # weight step (rollouts, evals) go at the newest step, their own step kept as the
@@ -92,7 +96,8 @@ class MetricsHub:
         return dropped
 
     def latest(self) -> dict[str, Any]:
-        """The most recent value of every metric (plus ``<source>_step``)."""
+        """The most recent value of every metric (plus ``<source>_step``, and ``write_error``
+        once a row could not be written to ``metrics.jsonl``)."""
         return dict(self._latest)
 
     def close(self) -> None:

@@ -80,6 +80,45 @@ def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
     assert stats.n_rollouts == 5 and stats.metrics == {}
 
 
+class FlakyWriter:
+    """Rollout storage whose first two writes fail after it stored the batch (a lost reply)."""
+
+    def __init__(self):
+        self.stored, self.calls = [], 0
+
+    def write_batch(self, batch, *, timeout=None):
+        self.calls += 1
+        if batch not in self.stored:  # a storage that delivers each batch once
+            self.stored.append(batch)
+        if self.calls <= 2:
+            raise ConnectionError("storage unreachable")
+
+
+def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
+    from marin_rl_core.rollout_worker import RolloutWorker
+
+    registry = build_registry(modules=[flaky_plugin])
+    config = resolve_config(registry, selections={"env": "flaky"})
+    writer = FlakyWriter()
+    worker = RolloutWorker(
+        config,
+        registry,
+        worker_index=0,
+        writer=writer,
+        weight_client=None,
+        curriculum=registry.get("curriculum", "default").build(
+            config.curriculum.config, config.curriculum.lessons
+        ),
+    )
+    batch, _ = worker.manager.sample_batch(
+        "flaky", n_examples=2, n_generations=2, mode="train", seed=0, weight_step=0, worker_id="w"
+    )
+    assert worker._write(batch) is True
+    assert writer.calls == 3 and writer.stored == [batch], "the same batch, stored once"
+    assert worker.counters()["write_errors"] == 2
+    assert caplog.text.count("writing rollouts to storage failed") == 1, "logged once a minute"
+
+
 def test_an_eval_in_which_every_problem_failed_reports_no_score():
     """Not a reward of 0.0: that would tell the curriculum the lesson was forgotten."""
     from marin_rl_core.rollout_worker import RolloutWorker
@@ -241,7 +280,7 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
     run_dir = tmp_path / "restart"
     proc = _start_job(
         tmp_path, "restart", tiny_mock_job, "--set", "trainer.num_train_steps=12",
-        "--set", "faults.restart_backoff_s=0.1",
+        "--set", "faults.restart_backoff_s=0.1", "--set", "logging.samples_per_step=32",
     )  # fmt: skip
     log = run_dir / "logs" / "rollout-0.log"
     _wait_for(proc, "the first training step", lambda: len(_train_steps(run_dir)) >= 1)
@@ -250,8 +289,17 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
     os.kill(first, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    assert "constructor arguments in the object store" not in stderr  # Ray's restart caveat
     steps = _train_steps(run_dir)
     assert steps == list(range(1, 13)), "every step trained once, none twice"
+    # No rollout trained twice: a problem of one batch is trained at most once per sample.
+    from collections import Counter
+
+    per_problem = Counter(
+        (row["worker_id"], row["batch"], row["problem"])
+        for row in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())
+    )
+    assert max(per_problem.values()) <= 8, "a rollout was trained on twice"
     second = _pid(log, "rollout worker 0 process")
     assert second is not None and second != first, "a new process took over"
     assert "restarted after its process died" in log.read_text()
@@ -477,3 +525,34 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     assert set(found["listening"]) <= {"127.0.0.1", "::1", "::ffff:127.0.0.1"}, found
     assert found["auth"] is None, "RAY_AUTH_MODE is given back after the job"
     assert "Token authentication" not in proc.stderr
+
+
+def test_a_full_disk_stops_the_job_with_what_to_do(tmp_path, tiny_mock_job):
+    """The run directory's disk fills up while the job runs: the job stops with exit 11 and a
+    message that names the problem and the fix, not a traceback."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        run_dir = disk / "full"
+        proc = _start_job(
+            disk, "full", tiny_mock_job, "--set", "trainer.num_train_steps=1000",
+            "--set", "trainer.checkpoint_interval_steps=2",
+        )  # fmt: skip
+        _wait_for(proc, "a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists())
+        with (disk / "filler").open("wb") as filler:  # take every byte that is left
+            try:
+                while True:
+                    filler.write(b"\0" * (1 << 20))
+                    filler.flush()
+            except OSError:
+                pass
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == ExitCode.RUN_DIR, stderr[-3000:]
+        assert "No space left on device" in stderr and "free some space" in stderr
+        assert "Traceback" not in stderr, stderr[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run(["umount", "-l", str(disk)])
