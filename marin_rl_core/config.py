@@ -428,6 +428,10 @@ class RLJobConfig:
         """The lesson's own sampling params, else the run's defaults."""
         return lesson.sampling if lesson.sampling is not None else self.sampling
 
+    def eval_sampling_for(self, lesson: LessonConfig) -> SamplingParams:
+        """The lesson's own eval sampling params, else the run's ``[eval.sampling]``."""
+        return lesson.eval_sampling if lesson.eval_sampling is not None else self.eval.sampling
+
 
 # --- the converter -------------------------------------------------------------------------------
 
@@ -789,7 +793,16 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
     if cycle:
         errors.append(f"$.curriculum.lessons: dependencies form a cycle: {' -> '.join(cycle)}")
     for i, lesson in enumerate(lessons):
-        sampling = config.sampling_for(lesson)
+        sampling, evaluating = config.sampling_for(lesson), config.eval_sampling_for(lesson)
+        if evaluating.max_tokens < sampling.max_tokens:
+            own = f"$.curriculum.lessons[{i}].eval_sampling.max_tokens"
+            where = own if lesson.eval_sampling else "$.eval.sampling.max_tokens"
+            fix = own if lesson.eval_sampling else f"{own} (or {where})"
+            errors.append(
+                f"{where}: lesson {lesson.id!r} is evaluated with {evaluating.max_tokens} tokens "
+                f"but trained with {sampling.max_tokens}, so eval would cut its answers short and "
+                f"score them 0; set {fix} to at least {sampling.max_tokens}"
+            )
         path = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
         if config.trainer.batch_size % sampling.n_generations_per_prompt:
             errors.append(

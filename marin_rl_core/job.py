@@ -490,13 +490,20 @@ class RLJob:
                     f"{where}.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in "
                     f"$.model.max_seq_len ({max_seq})"
                 )
-        if self.config.eval.sampling.max_tokens >= max_seq:
-            errors.append(f"$.eval.sampling.max_tokens must be < $.model.max_seq_len ({max_seq})")
+            evaluating = self.config.eval_sampling_for(lesson)
+            if evaluating.max_tokens >= max_seq:
+                where = (
+                    f"$.curriculum.lessons[{i}].eval_sampling"
+                    if lesson.eval_sampling
+                    else "$.eval.sampling"
+                )
+                errors.append(f"{where}.max_tokens must be < $.model.max_seq_len ({max_seq})")
         if not self.config.curriculum.lessons:
             errors.append("$.curriculum.lessons: a job needs at least one lesson")
         errors += check_model(self.config)
         if errors:
-            raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in errors))
+            lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
+            raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
 
     def to_worker_configs(self) -> tuple[WorkerConfig, list[WorkerConfig]]:
         """``(trainer, [rollout worker, ...])`` configs, exactly as the actors receive them."""

@@ -93,10 +93,15 @@ class RolloutManager:
                 * config.sampling_for(lesson).n_generations_per_prompt
                 for lesson in self.lessons.values()
             ]
-            + [config.eval.n_examples * config.eval.sampling.n_generations_per_prompt]
+            + [
+                config.eval.n_examples * config.eval_sampling_for(lesson).n_generations_per_prompt
+                for lesson in self.lessons.values()
+            ]
         )
         stops = {
-            len(self._stop_tokens(config.sampling_for(lesson))) for lesson in self.lessons.values()
+            len(self._stop_tokens(sampling))
+            for lesson in self.lessons.values()
+            for sampling in (config.sampling_for(lesson), config.eval_sampling_for(lesson))
         }
         mesh, axis_mapping = None, None
         if config.model.inference_tensor_parallel > 1:
@@ -112,7 +117,7 @@ class RolloutManager:
             max_seq_len=config.model.max_seq_len,
             eos_id=tokenizer.eos_id,
             max_seqs=min(biggest, 512),
-            max_stop_tokens=max(stops | {len(self._stop_tokens(config.eval.sampling))}),
+            max_stop_tokens=max(stops),
             compute_dtype=config.model.resolved_inference_dtype,
         )
 
@@ -185,7 +190,9 @@ class RolloutManager:
         lesson = self.lessons[lesson_id]
         if sampling is None:
             sampling = (
-                self.config.eval.sampling if mode == "eval" else self.config.sampling_for(lesson)
+                self.config.eval_sampling_for(lesson)
+                if mode == "eval"
+                else self.config.sampling_for(lesson)
             )
         env = self.env(lesson_id)
         env_name = lesson.env or self.config.env.name
@@ -313,14 +320,15 @@ class RolloutManager:
         weight_step: int,
         worker_id: str,
     ) -> tuple[LessonStats, RolloutBatch | None]:
-        """Score held-out problems of one lesson with the eval sampling params.
+        """Score held-out problems of one lesson with its eval sampling params (the lesson's
+        ``eval_sampling``, else the run's ``[eval.sampling]``).
 
         The stats' ``metrics`` are the means of the env's :class:`~marin_rl_core.types.Score`
         metrics. ``eval_type="eval"`` reports the result to the curriculum (it can unlock or
         graduate lessons) unless no problem was scored (``n_rollouts == 0``: no score at all);
         ``"micro_eval"`` only returns it.
         """
-        sampling = self.config.eval.sampling
+        sampling = self.config.eval_sampling_for(self.lessons[lesson_id])
         batch, metrics = self.sample_batch(
             lesson_id,
             n_examples=n_examples,

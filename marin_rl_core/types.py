@@ -241,6 +241,8 @@ class LessonConfig:
         plateau_threshold: a lesson whose eval reward moves less than this over the window
             has plateaued.
         sampling: per-lesson sampling parameters; ``None`` uses the run's defaults.
+        eval_sampling: per-lesson eval sampling parameters (a lesson with longer answers needs
+            a larger ``max_tokens``); ``None`` uses the run's ``[eval.sampling]``.
     """
 
     id: str
@@ -252,6 +254,7 @@ class LessonConfig:
     plateau_window: int = 10
     plateau_threshold: float = 0.01
     sampling: SamplingParams | None = None
+    eval_sampling: SamplingParams | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -203,3 +203,43 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(cli, tmp_path):
     result = cli("config", "validate", str(path))
     assert result.exit_code == 3
     assert "is not UTF-8 text (byte 0xe9 at offset 13); save it as UTF-8" in result.output
+
+
+def test_a_lesson_evaluated_with_fewer_tokens_than_it_trains_with_is_refused(cli):
+    """One run-wide eval budget used to cut longer answers short and score them 0, silently."""
+    lessons = '[{id = "long", sampling = {max_tokens = 5}}]'
+    result = cli("config", "show", "--env", "mock", "--set", f"curriculum.lessons={lessons}")
+    assert result.exit_code == 3
+    assert "$.eval.sampling.max_tokens: lesson 'long' is evaluated with 3 tokens but trained " in (
+        result.output
+    )
+    assert "set $.curriculum.lessons[0].eval_sampling.max_tokens" in result.output
+    fixed = '[{id = "long", sampling = {max_tokens = 5}, eval_sampling = {max_tokens = 5}}]'
+    result = cli("config", "show", "--env", "mock", "--set", f"curriculum.lessons={fixed}")
+    assert result.exit_code == 0, result.output
+
+
+def test_a_lesson_is_evaluated_with_its_own_eval_sampling():
+    from marin_rl_core.rollout_manager import RolloutManager
+    from marin_rl_core.tokenizer import model_tokenizer
+    from marin_rl_core.trainer import initial_model
+
+    registry = build_registry()
+    lessons = (
+        '[{id = "short", sampling = {max_tokens = 1}, eval_sampling = {max_tokens = 1}}, '
+        '{id = "other"}]'
+    )
+    config = resolve_config(
+        registry, selections={"env": "mock"}, overrides=[f"curriculum.lessons={lessons}"]
+    )
+    assert config.eval_sampling_for(config.curriculum.lessons[0]).max_tokens == 1
+    assert config.eval_sampling_for(config.curriculum.lessons[1]) == config.eval.sampling
+    tokenizer = model_tokenizer(config.model)
+    manager = RolloutManager(
+        config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
+    )
+    _, batch = manager.evaluate_lesson(
+        "short", n_examples=4, eval_type="micro_eval", seed=0, step=0, weight_step=0, worker_id="w"
+    )
+    assert batch is not None
+    assert max(len(r.response_tokens) for r in batch.rollouts) == 1
