@@ -39,6 +39,8 @@ from marin_rl_core.registry import Registry
 from marin_rl_core.types import Rollout
 
 logger = logging.getLogger(__name__)
+STAGE_KEYS = ("wait_seconds", "step_seconds", "publish_seconds", "checkpoint_seconds")
+"""The trainer's stages in its ``train`` rows: mean seconds per step since the last row."""
 REPLAY_FILE = "replay_buffer.arrow"
 """The replay buffer's rollouts in a checkpoint (Arrow IPC; the rest is in ``state.json``)."""
 
@@ -660,6 +662,10 @@ class Trainer:
         total = self.config.trainer.num_train_steps
         t = self.config.trainer
         self.publish()
+        # Seconds per stage, summed over the steps since the last logged row: each row holds
+        # their means per step, so rows average to the true split whatever log_every is.
+        stages: dict[str, float] = dict.fromkeys(STAGE_KEYS, 0.0)
+        steps_since_log = 0
         while self.step < total:
             got = self._wait_for_batch()
             if got is None:
@@ -671,7 +677,6 @@ class Trainer:
                 learning_rate=float(self._schedule(self.step - 1)),
                 reward=float(np.mean([r.reward for r in rollouts])),
                 frac_zero_variance_groups=zero_variance_fraction(rollouts),
-                wait_seconds=waited,
                 mean_weight_lag=float(
                     np.mean(
                         [self.step - 1 - r.metadata.weight_step for r in rollouts if r.metadata]
@@ -679,11 +684,16 @@ class Trainer:
                 ),
             )
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
+            stages["wait_seconds"] += waited
+            stages["step_seconds"] += metrics["step_seconds"]
             if self.step % t.sync_interval_steps == 0 or self.step == total:
-                metrics["publish_seconds"] = _timed(self.publish)
+                stages["publish_seconds"] += _timed(self.publish)
             if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
-                metrics["checkpoint_seconds"] = _timed(self.checkpoint)
+                stages["checkpoint_seconds"] += _timed(self.checkpoint)
+            steps_since_log += 1
             if self.step % self.config.logging.log_every == 0 or self.step == total:
+                metrics.update({k: v / steps_since_log for k, v in stages.items()})
+                stages, steps_since_log = dict.fromkeys(STAGE_KEYS, 0.0), 0
                 self._log(metrics, step=self.step, source="train")
             self._write_samples(rollouts)
         if self.last_checkpoint_step != self.step:
