@@ -163,7 +163,9 @@ class CurriculumProxy:
         return ray.get(self._actor.state_dict.remote())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError("the job restores curriculum state when it creates the service")
+        raise NotImplementedError(
+            "the job restores curriculum state with CurriculumService.load_state"
+        )
 
 
 class _SetUpError:

@@ -30,14 +30,19 @@ EVAL_SEED_OFFSET = 7_919
 """Eval problems come from this seed offset: the same held-out problems at every eval."""
 
 
+WORKER_SEED_STRIDE = 2**24
+"""Batches a rollout worker may sample before its seeds would run into the next worker's."""
+
+
 def batch_seed(run_seed: int, worker_index: int, batch_index: int, *, salt: int = 0) -> int:
     """The seed of a rollout worker's batch: its lesson draw, ``Env.sample_problems`` seed and
-    sampling keys. Distinct across workers, batches and salts (a restarted worker process
-    draws a random salt), and the same in a resumed run as in an uninterrupted one."""
-    import numpy as np
-
-    entropy = [run_seed, worker_index, salt, batch_index]
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0] % (2**31 - 1))
+    sampling keys. The same in a resumed run as in an uninterrupted one; distinct across
+    batches, and across workers for :data:`WORKER_SEED_STRIDE` batches each (up to 127
+    workers). A restarted worker process adds a random ``salt``. For worker 0 this is the
+    seed the default task was tuned with (``run_seed * 1_000_003 + batch_index``)."""
+    return (
+        run_seed * 1_000_003 + worker_index * WORKER_SEED_STRIDE + batch_index + salt
+    ) % (2**31 - 1)
 
 
 class RolloutWorker:
