@@ -188,7 +188,7 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
                 reward = cur_env.score(problem, text)
                 exact_all.append(float(text == problem.answer))
                 group.append(
-                    Rollout(
+                    Rollout.single_turn(
                         env_name="math",
                         lesson_id=args.task,
                         problem_id=problem.id,

@@ -53,7 +53,7 @@ def main() -> None:
         for p in env.problems(mode):
             answer = tok.encode(p.answer) + [tok.eos_id]
             rollouts.append(
-                Rollout(
+                Rollout.single_turn(
                     env_name="math",
                     lesson_id=args.task,
                     problem_id=p.id,

@@ -31,6 +31,8 @@ from marin_rl_core.hookspecs import (
 from marin_rl_core.protocols import (
     CurriculumPolicy,
     Env,
+    Episode,
+    MultiTurnEnv,
     RLLossModule,
     RolloutReader,
     RolloutStorage,
@@ -41,6 +43,7 @@ from marin_rl_core.protocols import (
 )
 from marin_rl_core.registry import Registry, RegistrySpec, build_registry, registry_from_spec
 from marin_rl_core.types import (
+    Action,
     LessonConfig,
     LessonDependency,
     LessonStats,
@@ -51,10 +54,15 @@ from marin_rl_core.types import (
     RolloutMetadata,
     SamplingParams,
     Score,
+    Step,
 )
 
 __all__ = [
     "PROJECT",
+    "Action",
+    "Episode",
+    "MultiTurnEnv",
+    "Step",
     "ConfigError",
     "CurriculumPlugin",
     "CurriculumPolicy",

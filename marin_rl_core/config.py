@@ -338,6 +338,26 @@ class FaultsConfig:
 
 
 @attrs.frozen(kw_only=True)
+class EpisodesConfig:
+    """Limits on each episode the rollout side runs (multi-turn envs; a single-turn env's
+    episode is one step). See :mod:`marin_rl_core.episodes`.
+
+    Args:
+        max_turns: actions per episode; an episode still going after this many ends truncated
+            (and is trained on). The whole episode also shares ``model.max_seq_len`` tokens.
+        step_timeout_s: the longest one env call (``reset``, ``step``, a single-turn env's
+            ``score``) may take before it is cut off and its episode fails (counted in
+            ``rollout/env_timeouts``); 0 means no limit.
+        episode_timeout_s: the longest one episode may take, generation included; 0 means no
+            limit.
+    """
+
+    max_turns: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    step_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.ge(0))
+    episode_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen(kw_only=True)
 class PluginChoice:
     """A chosen plugin and its config; in files the ``name`` sits beside the config's keys."""
 
@@ -418,6 +438,7 @@ class RLJobConfig:
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     faults: FaultsConfig = FaultsConfig()
+    episodes: EpisodesConfig = EpisodesConfig()
     env: EnvChoice = EnvChoice(name="math")
     loss: LossChoice = LossChoice(name="rloo")
     storage: StorageChoice = StorageChoice(name="memory")
@@ -919,6 +940,7 @@ __all__ = [
     "EvalConfig",
     "LessonConfig",
     "LessonDependency",
+    "EpisodesConfig",
     "FaultsConfig",
     "LoggingConfig",
     "LossChoice",

@@ -63,7 +63,9 @@ class PluginRecord:
 
 @attrs.frozen(kw_only=True)
 class EnvPlugin(PluginRecord):
-    """An :class:`~marin_rl_core.protocols.Env`. ``build(config) -> Env``.
+    """An :class:`~marin_rl_core.protocols.Env` (single-turn: ``score``) or a
+    :class:`~marin_rl_core.protocols.MultiTurnEnv` (``reset`` + ``step``). ``build(config)``
+    returns one.
 
     Args:
         default_lessons: ``default_lessons(config) -> [LessonConfig, ...]``, the curriculum a

@@ -175,6 +175,7 @@ class SamplingEngine:
         max_tokens: int = 16,
         stop_tokens: Sequence[int] = (),
         seed: int = 0,
+        prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """Sample ``n`` responses for each prompt.
 
@@ -185,6 +186,9 @@ class SamplingEngine:
             max_tokens: the most tokens of one response (lowered to fit ``max_seq_len``).
             stop_tokens: ids that end a response, besides EOS.
             seed: the same seed, prompts and weights give the same samples.
+            prompt_seeds: one seed per prompt instead: each prompt's samples then depend on its
+                own seed only, not on the other prompts of the call (multi-turn episodes are
+                batched with whichever others wait at that moment).
 
         Returns:
             ``result[i][k]`` is the ``k``-th sample for ``prompts[i]``.
@@ -207,6 +211,8 @@ class SamplingEngine:
             jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position")
         )
         base_key = jax.random.PRNGKey(seed)
+        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+            raise ValueError(f"{len(prompt_seeds)} prompt_seeds for {len(prompts)} prompts")
 
         results: list[list[Sample]] = []
         for chunk_start, chunk in self._chunks(prompts, n):
@@ -218,7 +224,11 @@ class SamplingEngine:
                     max_num_tokens=jnp.asarray(prompt_len + budget, dtype=jnp.int32),
                     stop_tokens=stop_array,
                     temperature=jnp.asarray(temperature, dtype=jnp.float32),
-                    key=jax.random.fold_in(base_key, chunk_start + j),
+                    key=(
+                        jax.random.fold_in(base_key, chunk_start + j)
+                        if prompt_seeds is None
+                        else jax.random.PRNGKey(int(prompt_seeds[chunk_start + j]))
+                    ),
                 )
                 requests.append(
                     Request(

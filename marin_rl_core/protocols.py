@@ -9,18 +9,20 @@ A leaf module: model and array types are ``Any`` here so that importing it needs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
 from marin_rl_core.types import (
+    Action,
     LessonConfig,
     LessonStats,
     Problem,
     RolloutBatch,
     RolloutGroup,
     Score,
+    Step,
 )
 
 Mode = Literal["train", "eval"]
@@ -48,6 +50,45 @@ class Env(Protocol):
         report beside it (``Score(0.0, {"format": 1.0, "correct": 0.0})``). Each metric is
         averaged over a batch's rollouts and logged as ``rollout/score/<name>`` for training
         batches and ``eval/<lesson>/<name>`` in evaluation."""
+        ...
+
+
+@runtime_checkable
+class Episode(Protocol):
+    """One running episode of a :class:`MultiTurnEnv`, made by ``MultiTurnEnv.reset``.
+
+    The framework owns the loop: it samples the policy's action, calls ``step`` with it, appends
+    the returned observation's tokens and samples again, until ``done`` or a limit (turns,
+    tokens, ``episodes.step_timeout_s`` per step, ``episodes.episode_timeout_s`` per episode).
+    ``step`` may be a plain method or ``async def``: an async step (a tool call, a sandbox, a
+    remote grader) holds up no other episode. Plain steps run on a worker thread, one at a time
+    per env; raising fails the episode (its problem's group is dropped and counted in
+    ``env_errors``).
+    """
+
+    def step(self, action: Action) -> Step | Awaitable[Step]:
+        """React to the policy's ``action``; return the next observation, this turn's reward
+        and whether the episode is over."""
+        ...
+
+
+@runtime_checkable
+class MultiTurnEnv(Protocol):
+    """An env whose episodes take several turns: ``reset`` a problem, then ``step`` actions.
+
+    The problem's ``prompt`` / ``messages`` is the first observation. An env may also implement
+    ``close(episode)`` to release an episode's resources; it is called once per episode,
+    however the episode ended. A single-turn :class:`Env` is the one-step special case:
+    :func:`marin_rl_core.episodes.as_multi_turn` wraps one (the rollout side does so itself).
+    """
+
+    def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
+        """As :meth:`Env.sample_problems`."""
+        ...
+
+    def reset(self, problem: Problem) -> Episode:
+        """Start an episode of ``problem`` (called once per sampled episode: the
+        ``n_generations_per_prompt`` episodes of a problem each get their own)."""
         ...
 
 
@@ -191,7 +232,7 @@ class CurriculumPolicy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-EnvBuild = Callable[[Any], Env]
+EnvBuild = Callable[[Any], Env | MultiTurnEnv]
 LossBuild = Callable[[Any], RLLossModule]
 StorageBuild = Callable[[Any], RolloutStorage]
 WeightTransferBuild = Callable[[Any], WeightTransfer]

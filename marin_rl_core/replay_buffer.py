@@ -182,15 +182,10 @@ class ReplayBuffer:
 
     def _add_group(self, group: RolloutGroup, now: float) -> None:
         rollouts = group.rollouts
-        advantages = np.asarray(self._loss.compute_advantages(group), dtype=np.float32).reshape(-1)
-        if advantages.shape[0] != len(rollouts):
-            raise ValueError(
-                f"{type(self._loss).__name__}.compute_advantages returned {advantages.shape[0]} "
-                f"advantages for a group of {len(rollouts)} rollouts; it must return one each"
-            )
+        advantages = episode_advantages(self._loss, group)
         group_id = self._next_group
         self._next_group += 1
-        rewards = np.asarray([r.reward for r in rollouts], dtype=np.float64)
+        rewards = np.asarray([r.reward for r in rollouts if r.part == 0], dtype=np.float64)
         counters = self._window[rollouts[0].env_name]
         counters.groups += 1
         counters.zero_variance_groups += bool(np.all(rewards == rewards[0]))
@@ -205,7 +200,7 @@ class ReplayBuffer:
             )
             counters.new_rollouts += 1
             counters.new_tokens += rollout.num_tokens
-            counters.new_generated_tokens += int(rollout.response_tokens.shape[0])
+            counters.new_generated_tokens += rollout.num_policy_tokens
             counters.new_truncated += bool(rollout.truncated)
             counters.reward_sum += rollout.reward
             counters.reward_sq_sum += rollout.reward**2
@@ -424,6 +419,31 @@ class ReplayBuffer:
         if accepted_total:
             out["frac_used"] = used_total / accepted_total
         return {prefix + name: value for name, value in out.items()}
+
+
+def episode_advantages(loss: RLLossModule, group: RolloutGroup) -> np.ndarray:
+    """One advantage per rollout of ``group``, computed over its episodes.
+
+    An episode split into several parts (``Rollout.part`` > 0 follows its part 0) counts once:
+    the loss sees the group of part-0 rollouts, and each later part takes its episode's
+    advantage."""
+    rollouts = group.rollouts
+    heads = [i for i, r in enumerate(rollouts) if r.part == 0]
+    episodes = group if len(heads) == len(rollouts) else RolloutGroup(
+        rollouts=[rollouts[i] for i in heads]
+    )
+    advantages = np.asarray(loss.compute_advantages(episodes), dtype=np.float32).reshape(-1)
+    if advantages.shape[0] != len(episodes.rollouts):
+        raise ValueError(
+            f"{type(loss).__name__}.compute_advantages returned {advantages.shape[0]} "
+            f"advantages for a group of {len(episodes.rollouts)} rollouts; it must return one each"
+        )
+    if len(heads) == len(rollouts):
+        return advantages
+    if not heads or heads[0] != 0:
+        raise ValueError("a rollout group must start with part 0 of an episode")
+    episode_of = np.cumsum([r.part == 0 for r in rollouts]) - 1
+    return advantages[episode_of]
 
 
 def _weight_step(entry: _Entry) -> int:

@@ -15,25 +15,24 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 
 from marin_rl_core.config import RLJobConfig, lesson_env_config
-from marin_rl_core.protocols import CurriculumPolicy, Env
+from marin_rl_core.episodes import EpisodeRunner, as_multi_turn
+from marin_rl_core.protocols import CurriculumPolicy, MultiTurnEnv
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import (
     LessonConfig,
     LessonStats,
     Problem,
-    Rollout,
     RolloutBatch,
     RolloutGroup,
     RolloutMetadata,
     SamplingParams,
-    as_score,
 )
 
 logger = logging.getLogger(__name__)
@@ -46,7 +45,7 @@ this prefix (``score/correct``)."""
 def batch_stats(lesson_id: str, batch: RolloutBatch | None, step: int) -> LessonStats:
     """Mean reward of a batch, as the curriculum wants it."""
     rollouts = batch.rollouts if batch is not None else []
-    rewards = [r.reward for r in rollouts]
+    rewards = [r.reward for r in rollouts if r.part == 0]  # one per episode
     return LessonStats(
         lesson_id=lesson_id,
         mean_reward=float(np.mean(rewards)) if rewards else 0.0,
@@ -84,7 +83,7 @@ class RolloutManager:
         self.lessons: dict[str, LessonConfig] = {
             lesson.id: lesson for lesson in config.curriculum.lessons
         }
-        self._envs: dict[str, Env] = {}
+        self._envs: dict[str, MultiTurnEnv] = {}
         self._errors_logged: set[str] = set()
         self._too_long_logged: set[str] = set()
         biggest = max(
@@ -120,6 +119,12 @@ class RolloutManager:
             max_stop_tokens=max(stops),
             compute_dtype=config.model.resolved_inference_dtype,
         )
+        self._runner = EpisodeRunner(
+            self._engine,
+            tokenizer,
+            use_chat_template=config.model.use_chat_template,
+            max_seq_len=config.model.max_seq_len,
+        )
 
     # --- model --------------------------------------------------------------------------------
 
@@ -133,15 +138,17 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         self._envs.clear()
+        self._runner.close()
 
     # --- envs ---------------------------------------------------------------------------------
 
-    def env(self, lesson_id: str) -> Env:
-        """The lesson's env, built on first use and cached."""
+    def env(self, lesson_id: str) -> MultiTurnEnv:
+        """The lesson's env, built on first use and cached; a single-turn env comes wrapped
+        as a one-step multi-turn env (:func:`~marin_rl_core.episodes.as_multi_turn`)."""
         if lesson_id not in self._envs:
             lesson = self.lessons[lesson_id]
             name, env_config = lesson_env_config(self.config, lesson, self.registry)
-            self._envs[lesson_id] = self.registry.get("env", name).build(env_config)
+            self._envs[lesson_id] = as_multi_turn(self.registry.get("env", name).build(env_config))
         return self._envs[lesson_id]
 
     def _stop_tokens(self, sampling: SamplingParams) -> list[int]:
@@ -176,14 +183,18 @@ class RolloutManager:
         worker_index: int | None = None,
         batch_index: int | None = None,
     ) -> tuple[RolloutBatch | None, dict[str, float]]:
-        """Pose ``n_examples`` problems, sample ``n_generations`` responses each, score them.
+        """Pose ``n_examples`` problems and run ``n_generations`` episodes of each (one turn for
+        a single-turn env: sample a response, score it); see :mod:`marin_rl_core.episodes`.
         ``worker_index`` and ``batch_index`` go into every rollout's metadata.
 
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
-        attached to every rollout, and metrics: ``reward``, ``env_errors``, ``prompts_too_long``
-        (problems dropped because their prompt does not fit ``model.max_seq_len``), ``frac_truncated``,
-        ``tokens``, ``generated_tokens``, ``seconds`` (generating), ``score_seconds`` (decoding
-        and scoring), ``tokens_per_second``, and
+        attached to every rollout, and metrics: ``reward`` (mean episode reward), ``env_errors``
+        (problems whose episodes raised), ``env_timeouts`` (episodes cut off by a timeout),
+        ``prompts_too_long`` (problems dropped because their prompt does not fit
+        ``model.max_seq_len``), ``frac_truncated``, ``turns`` (mean actions per episode),
+        ``tokens``, ``generated_tokens``, ``seconds`` (in generation calls), ``score_seconds``
+        (in env calls, summed over episodes), ``env_step_seconds`` (mean per env call),
+        ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
         averaged over the rollouts that report it.
         """
@@ -231,21 +242,23 @@ class RolloutManager:
                 continue
             prompts.append(tokens)
             kept.append(problem)
-        start = time.perf_counter()
-        samples = (
-            self._engine.generate(
+        results, timing = (
+            self._runner.run(
+                env,
+                kept,
                 prompts,
                 n=n_generations,
-                temperature=sampling.temperature,
-                max_tokens=sampling.max_tokens,
-                stop_tokens=sampling.stop_tokens,
+                sampling=sampling,
+                stop_tokens=self._stop_tokens(sampling),
                 seed=seed,
+                limits=self.config.episodes,
+                env_name=env_name,
+                lesson_id=lesson_id,
             )
             if prompts
-            else []
+            else ([], {"generate_seconds": 0.0})
         )
-        seconds = time.perf_counter() - start
-        stop_set = set(self._stop_tokens(sampling))
+        seconds = timing["generate_seconds"]
         metadata = RolloutMetadata(
             worker_id=worker_id,
             timestamp=time.time(),
@@ -254,54 +267,50 @@ class RolloutManager:
             batch_index=batch_index,
         )
         groups: list[RolloutGroup] = []
-        generated = 0
         score_metrics: dict[str, list[float]] = {}
-        score_start = time.perf_counter()
-        for problem, prompt, problem_samples in zip(kept, prompts, samples):
-            rollouts = []
-            group_metrics: list[Mapping[str, float]] = []
-            try:
-                for sample in problem_samples:
-                    text_tokens = [int(t) for t in sample.tokens if int(t) not in stop_set]
-                    score = as_score(env.score(problem, self.tokenizer.decode(text_tokens)))
-                    group_metrics.append(score.metrics)
-                    generated += int(sample.tokens.size)
-                    rollouts.append(
-                        Rollout(
-                            env_name=env_name,
-                            lesson_id=lesson_id,
-                            problem_id=problem.id,
-                            prompt_tokens=prompt,
-                            response_tokens=sample.tokens,
-                            response_logprobs=sample.logprobs,
-                            reward=score.reward,
-                            truncated=not sample.stopped,
-                            metadata=metadata,
-                        )
-                    )
-            except Exception as exc:
-                self._env_error(lesson_id, f"scoring problem {problem.id}", exc)
-                env_errors += 1
+        env_seconds = step_seconds = env_calls = timeouts = turns = episodes = 0.0
+        for problem, problem_results in zip(kept, results):
+            failures = [r.failure for r in problem_results if r.failure is not None]
+            for result in problem_results:
+                env_seconds += result.env_seconds
+                step_seconds += result.env_step_seconds
+                env_calls += result.env_calls
+            timeouts += sum(f.kind == "timeout" for f in failures)
+            if failures:
+                # The group's advantages need every episode: a failed one loses the group.
+                worst = next((f for f in failures if f.kind == "error"), failures[0])
+                what = f"running problem {problem.id}"
+                self._env_error(lesson_id, what, worst)
+                env_errors += any(f.kind == "error" for f in failures)
+                continue
+            rollouts = [
+                r.with_metadata(metadata) for result in problem_results for r in result.rollouts
+            ]
+            if not rollouts:
                 continue
             groups.append(RolloutGroup(rollouts=rollouts))
-            for rollout_metrics in group_metrics:
-                for name, value in rollout_metrics.items():
+            for result in problem_results:
+                episodes += 1
+                turns += result.turns
+                for name, value in result.metrics.items():
                     score_metrics.setdefault(name, []).append(value)
-        score_seconds = time.perf_counter() - score_start
         batch = RolloutBatch(groups=groups) if groups else None
         rollouts_all = batch.rollouts if batch else []
+        generated = sum(r.num_policy_tokens for r in rollouts_all)
+        heads = [r for r in rollouts_all if r.part == 0]
         metrics = {
             "env_errors": float(env_errors),
             "prompts_too_long": float(too_long),
-            "reward": float(np.mean([r.reward for r in rollouts_all])) if rollouts_all else 0.0,
-            "frac_truncated": float(np.mean([r.truncated for r in rollouts_all]))
-            if rollouts_all
-            else 0.0,
+            "reward": float(np.mean([r.reward for r in heads])) if heads else 0.0,
+            "frac_truncated": float(np.mean([r.truncated for r in heads])) if heads else 0.0,
             "tokens": float(sum(r.num_tokens for r in rollouts_all)),
             "generated_tokens": float(generated),
             "seconds": seconds,
-            "score_seconds": score_seconds,
+            "score_seconds": env_seconds,
             "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
+            "env_timeouts": float(timeouts),
+            "turns": turns / episodes if episodes else 0.0,
+            "env_step_seconds": step_seconds / env_calls if env_calls else 0.0,
         }
         for name, values in score_metrics.items():
             metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))

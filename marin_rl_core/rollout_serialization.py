@@ -3,8 +3,9 @@
 A batch becomes an Arrow stream with one row per rollout, in group order::
 
     env_name string, lesson_id string, problem_id string, group int32,
-    prompt_tokens list<int32>, response_tokens list<int32>, response_logprobs list<float32>,
-    reward float64, truncated bool,
+    tokens list<int32>, loss_mask list<bool>, logprobs list<float32>, reward float64,
+    turn_starts list<int32>, turn_rewards list<float32>, token_rewards list<float32>,
+    part int32, truncated bool,
     worker_id string?, timestamp float64?, weight_step int64?   (null when metadata is None)
     worker_index int64?, batch_index int64?                     (null when not known)
 
@@ -25,8 +26,9 @@ import pyarrow as pa
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 FORMAT_NAME = b"marinrl.rollout_batch"
-FORMAT_VERSION = 2
-"""Bump when the schema changes; decoders refuse versions they do not know."""
+FORMAT_VERSION = 3
+"""Bump when the schema changes; decoders refuse versions they do not know. Version 3: token-exact
+multi-turn rollouts (one token row with a loss mask, turn starts and rewards)."""
 
 _KEY_FORMAT = b"marinrl.format"
 _KEY_VERSION = b"marinrl.format_version"
@@ -37,10 +39,14 @@ _FIELDS = [
     pa.field("lesson_id", pa.string(), nullable=False),
     pa.field("problem_id", pa.string(), nullable=False),
     pa.field("group", pa.int32(), nullable=False),
-    pa.field("prompt_tokens", pa.list_(pa.int32()), nullable=False),
-    pa.field("response_tokens", pa.list_(pa.int32()), nullable=False),
-    pa.field("response_logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.bool_()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
     pa.field("reward", pa.float64(), nullable=False),
+    pa.field("turn_starts", pa.list_(pa.int32()), nullable=False),
+    pa.field("turn_rewards", pa.list_(pa.float32()), nullable=False),
+    pa.field("token_rewards", pa.list_(pa.float32()), nullable=False),
+    pa.field("part", pa.int32(), nullable=False),
     pa.field("truncated", pa.bool_(), nullable=False),
     pa.field("worker_id", pa.string()),
     pa.field("timestamp", pa.float64()),
@@ -80,10 +86,14 @@ def rollout_batch_to_table(batch: RolloutBatch) -> pa.Table:
         pa.array([r.lesson_id for r in rollouts], pa.string()),
         pa.array([r.problem_id for r in rollouts], pa.string()),
         pa.array(np.asarray(group_index, dtype=np.int32), pa.int32()),
-        _list_array([r.prompt_tokens for r in rollouts], np.int32, pa.int32()),
-        _list_array([r.response_tokens for r in rollouts], np.int32, pa.int32()),
-        _list_array([r.response_logprobs for r in rollouts], np.float32, pa.float32()),
+        _list_array([r.tokens for r in rollouts], np.int32, pa.int32()),
+        _list_array([r.loss_mask for r in rollouts], np.bool_, pa.bool_()),
+        _list_array([r.logprobs for r in rollouts], np.float32, pa.float32()),
         pa.array(np.asarray([r.reward for r in rollouts], dtype=np.float64), pa.float64()),
+        _list_array([r.turn_starts for r in rollouts], np.int32, pa.int32()),
+        _list_array([r.turn_rewards for r in rollouts], np.float32, pa.float32()),
+        _list_array([r.token_rewards for r in rollouts], np.float32, pa.float32()),
+        pa.array(np.asarray([r.part for r in rollouts], dtype=np.int32), pa.int32()),
         pa.array([bool(r.truncated) for r in rollouts], pa.bool_()),
         pa.array([m.worker_id if m else None for m in meta], pa.string()),
         pa.array([float(m.timestamp) if m else None for m in meta], pa.float64()),
@@ -179,10 +189,14 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
     env = table.column("env_name").to_pylist()
     lesson = table.column("lesson_id").to_pylist()
     problem = table.column("problem_id").to_pylist()
-    prompt = _split_lists(table.column("prompt_tokens"), np.int32)
-    response = _split_lists(table.column("response_tokens"), np.int32)
-    logprobs = _split_lists(table.column("response_logprobs"), np.float32)
+    tokens = _split_lists(table.column("tokens"), np.int32)
+    loss_mask = _split_lists(table.column("loss_mask"), np.bool_)
+    logprobs = _split_lists(table.column("logprobs"), np.float32)
     reward = table.column("reward").to_numpy()
+    turn_starts = _split_lists(table.column("turn_starts"), np.int32)
+    turn_rewards = _split_lists(table.column("turn_rewards"), np.float32)
+    token_rewards = _split_lists(table.column("token_rewards"), np.float32)
+    part = table.column("part").to_numpy()
     truncated = table.column("truncated").to_pylist()
     worker = table.column("worker_id").to_pylist()
     timestamp = table.column("timestamp").to_pylist()
@@ -206,10 +220,14 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
                 env_name=env[i],
                 lesson_id=lesson[i],
                 problem_id=problem[i],
-                prompt_tokens=prompt[i],
-                response_tokens=response[i],
-                response_logprobs=logprobs[i],
+                tokens=tokens[i],
+                loss_mask=loss_mask[i],
+                logprobs=logprobs[i],
                 reward=float(reward[i]),
+                turn_starts=turn_starts[i],
+                turn_rewards=turn_rewards[i],
+                token_rewards=token_rewards[i],
+                part=int(part[i]),
                 truncated=truncated[i],
                 metadata=metadata,
             )

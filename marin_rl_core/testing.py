@@ -38,6 +38,7 @@ from marin_rl_core.hookspecs import (
 )
 from marin_rl_core.registry import Registry, build_registry
 from marin_rl_core.types import (
+    Action,
     LessonConfig,
     LessonDependency,
     LessonStats,
@@ -45,6 +46,7 @@ from marin_rl_core.types import (
     Rollout,
     RolloutGroup,
     Score,
+    Step,
 )
 
 
@@ -84,9 +86,18 @@ def _protocol(record: PluginRecord) -> type:
 
 
 def check_env(record: EnvPlugin) -> None:
-    """Contract of an env: problems per mode and seed, determinism, a float or ``Score``."""
+    """Contract of an env: problems per mode and seed, determinism, and grading: ``score``
+    returns a float or ``Score`` (single-turn), or ``reset`` returns an episode whose ``step``
+    returns a ``Step`` (multi-turn; stepped once with the reference answer)."""
+    import asyncio
+    import inspect
+
     env = record.build(check_config_class(record))
-    assert isinstance(env, protocols.Env), f"env {record.name!r}: build() must return an Env"
+    multi_turn = isinstance(env, protocols.MultiTurnEnv)
+    assert multi_turn or isinstance(env, protocols.Env), (
+        f"env {record.name!r}: build() must return an Env (sample_problems + score) or a "
+        "MultiTurnEnv (sample_problems + reset)"
+    )
     for mode in ("train", "eval"):
         problems = env.sample_problems(3, mode=mode, seed=0)
         assert len(problems) == 3 and all(isinstance(p, Problem) for p in problems)
@@ -94,12 +105,31 @@ def check_env(record: EnvPlugin) -> None:
         assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
         for problem in problems:
             assert isinstance(problem.prompt, str) and (problem.prompt or problem.messages)
+            if multi_turn:
+                episode = env.reset(problem)
+                assert isinstance(episode, protocols.Episode), (
+                    f"env {record.name!r}: reset() must return an episode with a step() method"
+                )
+                step = episode.step(Action(text=problem.answer))
+                if inspect.isawaitable(step):
+                    step = asyncio.run(_awaited(step))
+                assert isinstance(step, Step), (
+                    f"env {record.name!r}: step() must return a Step, got {step!r}"
+                )
+                close = getattr(env, "close", None)
+                if close is not None:
+                    close(episode)
+                continue
             score = env.score(problem, problem.answer)
             assert isinstance(score, float | Score), (
                 f"env {record.name!r}: score() must return a float or a Score, got {score!r}"
             )
     if record.default_lessons is not None:
         check_default_lessons(record)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 def check_default_lessons(record: EnvPlugin) -> None:
@@ -141,7 +171,7 @@ def check_default_lessons(record: EnvPlugin) -> None:
 def _tiny_group(rewards: list[float]) -> RolloutGroup:
     return RolloutGroup(
         rollouts=[
-            Rollout(
+            Rollout.single_turn(
                 env_name="check",
                 lesson_id="check",
                 problem_id="p0",

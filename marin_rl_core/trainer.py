@@ -362,6 +362,26 @@ class Learner:
         return info.state, float(info.loss), metrics
 
 
+def sample_turns(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
+    """Each turn of ``rollout`` decoded, as ``samples.jsonl`` shows it: the policy's
+    ``action``, the env's ``observation`` after it (empty after the last turn) and the turn's
+    ``reward``."""
+    turns = []
+    for (start, end), reward in zip(rollout.turn_spans(), rollout.turn_rewards.tolist()):
+        mask = rollout.loss_mask[start:end]
+        # An action is the run of sampled tokens the turn starts with; the rest is observation.
+        unsampled = np.flatnonzero(~mask)
+        split = start + (int(unsampled[0]) if unsampled.size else end - start)
+        turns.append(
+            {
+                "action": tokenizer.decode(rollout.tokens[start:split].tolist()),
+                "observation": tokenizer.decode(rollout.tokens[split:end].tolist()),
+                "reward": reward,
+            }
+        )
+    return turns
+
+
 def zero_variance_fraction(rollouts: list[Rollout]) -> float:
     """Fraction of groups (samples of one problem from one batch) whose rewards are all equal:
     they carry no RLOO gradient. A rising value warns of a policy going deterministic."""
@@ -642,6 +662,8 @@ class Trainer:
                             "problem": r.problem_id,
                             "prompt": self.tokenizer.decode(r.prompt_tokens.tolist()),
                             "response": self.tokenizer.decode(r.response_tokens.tolist()),
+                            "turns": sample_turns(r, self.tokenizer),
+                            "part": r.part,
                             "reward": r.reward,
                             "truncated": r.truncated,
                             "worker_id": meta.worker_id if meta else None,

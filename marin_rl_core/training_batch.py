@@ -1,14 +1,18 @@
 """What the trainer's loss sees: rollouts laid out as right-padded token rows with named axes.
 
-Each rollout becomes one row ``prompt + response + padding`` of ``max_seq_len`` tokens. Every
+Each rollout becomes one row ``rollout.tokens + padding`` of ``max_seq_len`` tokens. Every
 per-token array is aligned with the *prediction* made at a position, not with the token there:
 the value at position ``t`` concerns the token ``input_ids[t+1]`` that the model predicts from
-``input_ids[..t]``. So for a prompt of length ``P`` and a response of length ``R``:
+``input_ids[..t]``. So:
 
-* ``loss_mask[t] = 1`` for ``t`` in ``[P-1, P-1+R)`` (the positions that predict response tokens)
-  and 0 elsewhere (prompt, padding, the last position);
-* ``behaviour_logprobs[P-1+j] = rollout.response_logprobs[j]``;
+* ``loss_mask[t] = rollout.loss_mask[t+1]``: 1 at the positions that predict a token the policy
+  sampled (every action of every turn: a multi-turn rollout has several masked spans), 0 for
+  prompt, observation and padding tokens and at the last position;
+* ``behaviour_logprobs[t] = rollout.logprobs[t+1]`` where masked;
 * ``advantages[t]`` is the rollout's advantage on masked positions, 0 elsewhere.
+
+For a single-turn rollout with a prompt of length ``P`` and a response of length ``R`` the mask is
+1 on ``[P-1, P-1+R)``.
 
 :func:`marin_rl_core.model.next_token_logprobs` uses the same convention, so
 ``next_token_logprobs(model, batch.input_ids) * batch.loss_mask`` lines up with
@@ -132,8 +136,8 @@ def training_batch_from_rollouts(
     Args:
         rollouts: the rollouts, in batch order.
         advantages: one float per rollout (from ``RLLossModule.compute_advantages``), spread
-            over that rollout's response tokens.
-        max_seq_len: the row length; longer rollouts lose the end of their response.
+            over the tokens that rollout's policy sampled.
+        max_seq_len: the row length; longer rollouts lose their end.
         pad_id: the token id that fills the rest of a row (always masked out).
         temperature: the sampling temperature of the rollouts: one for all, or one per rollout
             (a batch may mix lessons sampled at different temperatures). Padding rows get 1.
@@ -146,23 +150,24 @@ def training_batch_from_rollouts(
     n = len(rollouts) if batch_size is None else batch_size
     if n < len(rollouts):
         raise ValueError(f"batch_size={batch_size} is smaller than the {len(rollouts)} rollouts")
-    packed = pack_sequences(
-        [r.prompt_tokens for r in rollouts],
-        [r.response_tokens for r in rollouts],
-        max_seq_len=max_seq_len,
-        pad_id=pad_id,
-    )
     input_ids = np.full((n, max_seq_len), pad_id, dtype=np.int32)
-    input_ids[: len(rollouts)] = packed.input_ids
     loss_mask = np.zeros((n, max_seq_len), dtype=np.float32)
     token_advantages = np.zeros((n, max_seq_len), dtype=np.float32)
     behaviour = np.zeros((n, max_seq_len), dtype=np.float32)
     for i, rollout in enumerate(rollouts):
-        start, length = int(packed.response_starts[i]), int(packed.response_lengths[i])
-        predicting = slice(start - 1, start - 1 + length)
-        loss_mask[i, predicting] = 1.0
-        token_advantages[i, predicting] = advantages[i]
-        behaviour[i, predicting] = rollout.response_logprobs[:length]
+        if rollout.prompt_length >= max_seq_len:
+            raise ValueError(
+                f"row {i}: the prompt has {rollout.prompt_length} tokens, which leaves no room "
+                f"for a response in max_seq_len={max_seq_len}; raise model.max_seq_len or "
+                "shorten the prompts"
+            )
+        length = min(rollout.num_tokens, max_seq_len)
+        input_ids[i, :length] = rollout.tokens[:length]
+        # Position t predicts token t + 1: shift the per-token arrays left by one.
+        mask = rollout.loss_mask[1:length].astype(np.float32)
+        loss_mask[i, : length - 1] = mask
+        token_advantages[i, : length - 1] = mask * advantages[i]
+        behaviour[i, : length - 1] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
     temps = np.ones((n,), dtype=np.float32)
     given = np.asarray(temperature, dtype=np.float32)
     if given.ndim == 0:

@@ -4,8 +4,10 @@ A leaf module: it depends on numpy and attrs only, so the CLI can import it with
 Every class is frozen; build a changed copy with ``attrs.evolve``.
 
 Flow: an :class:`~marin_rl_core.protocols.Env` hands out :class:`Problem` s and scores
-responses (a float, or a :class:`Score` with metrics beside the reward); the rollout side turns
-each (problem, sampled response) into a :class:`Rollout`, attaches :class:`RolloutMetadata`
+responses (a float, or a :class:`Score` with metrics beside the reward); a
+:class:`~marin_rl_core.protocols.MultiTurnEnv` instead answers each :class:`Action` with a
+:class:`Step` (observation, reward, done). The rollout side turns each episode into a token-exact
+:class:`Rollout`, attaches :class:`RolloutMetadata`
 (the env never sees it), groups the samples of one problem into a :class:`RolloutGroup` and
 ships :class:`RolloutBatch` es through rollout storage to the
 trainer's replay buffer.
@@ -134,6 +136,53 @@ def as_score(value: float | Score) -> Score:
 
 
 @attrs.frozen(kw_only=True)
+class Action:
+    """What the policy did in one turn, as a multi-turn env's ``step`` receives it.
+
+    Args:
+        text: the decoded action, stop token removed.
+        token_ids: the exact token ids sampled, the stop token included when one was hit.
+        truncated: the action hit the turn's ``max_tokens`` (or the sequence its length limit)
+            before a stop token.
+        turn: 0 for the first action of the episode.
+    """
+
+    text: str
+    token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    truncated: bool = False
+    turn: int = 0
+
+
+def _observation(value: Any) -> str | tuple[Mapping[str, str], ...]:
+    if isinstance(value, str):
+        return value
+    return _messages(value)
+
+
+@attrs.frozen(kw_only=True)
+class Step:
+    """A multi-turn env's answer to an action.
+
+    Args:
+        observation: what the policy sees next: text (appended as tokens after the action,
+            encoded without BOS; with a chat template it becomes a user message), or chat
+            messages (``{"role": "tool", "content": ...}``) for models with a chat template.
+            Ignored when ``done``.
+        reward: the reward of this turn's action. The episode reward is the sum over turns.
+        done: the episode is over (solved, failed, or out of moves).
+        metrics: named numbers reported beside the reward (as :class:`Score` metrics are);
+            the last step's metrics are the episode's.
+    """
+
+    observation: str | tuple[Mapping[str, str], ...] = attrs.field(
+        default="", converter=_observation
+    )
+    reward: float = attrs.field(default=0.0, converter=float)
+    done: bool = False
+    metrics: Mapping[str, float] = attrs.field(factory=dict, converter=_score_metrics)
+
+
+@attrs.frozen(kw_only=True)
 class RolloutMetadata:
     """Where and when a rollout was made; attached by the rollout worker, never by the env.
 
@@ -154,43 +203,172 @@ class RolloutMetadata:
     batch_index: int | None = None
 
 
+def _bool_array(value: Any) -> np.ndarray:
+    return np.asarray(value, dtype=bool).reshape(-1)
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class Rollout:
-    """One prompt, one sampled response, its reward and the behaviour policy's logprobs.
+    """One training sample of an episode: the exact tokens, which of them the policy sampled,
+    its behaviour logprobs, its rewards and where each turn starts.
+
+    An episode is the prompt, then turns: the policy's action (the tokens it sampled, stop token
+    included) followed by the env's observation tokens (none after the last turn). ``tokens``
+    holds all of them as they were sampled and appended, never re-tokenized. A single-turn
+    rollout is ``prompt + response`` (:meth:`single_turn` builds one).
 
     Args:
         env_name: the env plugin that posed the problem.
         lesson_id: the curriculum lesson it was sampled for.
         problem_id: ``Problem.id``.
-        prompt_tokens: int32 ``[prompt_len]``.
-        response_tokens: int32 ``[response_len]`` (including the stop token if one was hit).
-        response_logprobs: float32 ``[response_len]``, logprob of each response token under the
-            sampling policy (the behaviour logprobs the importance ratio divides by).
-        reward: the episode reward.
-        truncated: the response hit ``max_tokens`` without a stop token.
+        tokens: int32 ``[n]``: prompt, then each turn's action and observation tokens.
+        loss_mask: bool ``[n]``, true exactly on the tokens the policy sampled.
+        logprobs: float32 ``[n]``, the sampling policy's logprob of each sampled token (the
+            behaviour logprobs the importance ratio divides by); 0 where ``loss_mask`` is false.
+        reward: the episode reward (the sum of the turn rewards, unless the env says otherwise).
+        turn_starts: int32 ``[turns]``, the index in ``tokens`` of each turn's first action token;
+            turn ``i`` runs to ``turn_starts[i+1]`` (the last one to the end).
+        turn_rewards: float32 ``[turns]``, the reward the env gave for each turn's action.
+        token_rewards: float32 ``[n]`` per-token rewards for value-based losses, or empty (then
+            :meth:`dense_rewards` puts each turn's reward on its last action token).
+        part: 0, or the index of this sample within an episode that was split because a chat
+            template would have changed earlier tokens (parts follow part 0 in their group and
+            share its advantage).
+        truncated: the episode ended on a limit (an action hit ``max_tokens``, the sequence hit
+            ``model.max_seq_len``, or the turn limit) rather than by the env.
         metadata: set by the rollout worker; ``None`` only before it is attached.
     """
 
     env_name: str
     lesson_id: str
     problem_id: str
-    prompt_tokens: np.ndarray = attrs.field(converter=_int_array)
-    response_tokens: np.ndarray = attrs.field(converter=_int_array)
-    response_logprobs: np.ndarray = attrs.field(converter=_float_array)
+    tokens: np.ndarray = attrs.field(converter=_int_array)
+    loss_mask: np.ndarray = attrs.field(converter=_bool_array)
+    logprobs: np.ndarray = attrs.field(converter=_float_array)
     reward: float = attrs.field(converter=float)
+    turn_starts: np.ndarray = attrs.field(converter=_int_array)
+    turn_rewards: np.ndarray = attrs.field(converter=_float_array)
+    token_rewards: np.ndarray = attrs.field(
+        factory=lambda: np.zeros(0, np.float32), converter=_float_array
+    )
+    part: int = 0
     truncated: bool = False
     metadata: RolloutMetadata | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.response_logprobs.shape != self.response_tokens.shape:
+        n = self.tokens.shape[0]
+        for name in ("loss_mask", "logprobs"):
+            if getattr(self, name).shape[0] != n:
+                raise ValueError(
+                    f"{name} has {getattr(self, name).shape[0]} entries but tokens has {n}"
+                )
+        if self.token_rewards.shape[0] not in (0, n):
             raise ValueError(
-                f"response_logprobs has {self.response_logprobs.shape[0]} entries but "
-                f"response_tokens has {self.response_tokens.shape[0]}"
+                f"token_rewards has {self.token_rewards.shape[0]} entries; give one per token "
+                f"({n}) or none"
             )
+        starts = self.turn_starts
+        if starts.shape != self.turn_rewards.shape:
+            raise ValueError(
+                f"{starts.shape[0]} turn_starts but {self.turn_rewards.shape[0]} turn_rewards"
+            )
+        if starts.size:
+            if starts[0] < 1 or np.any(np.diff(starts) <= 0) or starts[-1] >= n:
+                raise ValueError(
+                    f"turn_starts must increase within 1..{n - 1} (the prompt comes first), "
+                    f"got {starts.tolist()}"
+                )
+            if not self.loss_mask[starts].all():
+                raise ValueError("every turn must start with a policy-sampled token")
+        if n and self.loss_mask[0]:
+            raise ValueError("the first token is the prompt's; it cannot be policy-sampled")
+
+    @classmethod
+    def single_turn(
+        cls,
+        *,
+        env_name: str,
+        lesson_id: str,
+        problem_id: str,
+        prompt_tokens: Any,
+        response_tokens: Any,
+        response_logprobs: Any,
+        reward: float,
+        truncated: bool = False,
+        metadata: RolloutMetadata | None = None,
+    ) -> Rollout:
+        """A one-turn rollout: ``prompt + response``, the response sampled by the policy."""
+        prompt = _int_array(prompt_tokens)
+        response = _int_array(response_tokens)
+        logprobs = _float_array(response_logprobs)
+        if logprobs.shape != response.shape:
+            raise ValueError(
+                f"response_logprobs has {logprobs.shape[0]} entries but response_tokens has "
+                f"{response.shape[0]}"
+            )
+        p = prompt.shape[0]
+        return cls(
+            env_name=env_name,
+            lesson_id=lesson_id,
+            problem_id=problem_id,
+            tokens=np.concatenate([prompt, response]),
+            loss_mask=np.arange(p + response.shape[0]) >= p,
+            logprobs=np.concatenate([np.zeros(p, np.float32), logprobs]),
+            reward=reward,
+            turn_starts=[p] if response.size else [],
+            turn_rewards=[reward] if response.size else [],
+            truncated=truncated,
+            metadata=metadata,
+        )
+
+    @property
+    def prompt_length(self) -> int:
+        """Tokens before the first policy-sampled one."""
+        sampled = np.flatnonzero(self.loss_mask)
+        return int(sampled[0]) if sampled.size else int(self.tokens.shape[0])
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> np.ndarray:
+        """Everything after the prompt: actions and the observations between them."""
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def response_logprobs(self) -> np.ndarray:
+        """``logprobs`` after the prompt (0 at observation tokens)."""
+        return self.logprobs[self.prompt_length :]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.prompt_tokens.shape[0] + self.response_tokens.shape[0])
+        return int(self.tokens.shape[0])
+
+    @property
+    def num_turns(self) -> int:
+        return int(self.turn_starts.shape[0])
+
+    @property
+    def num_policy_tokens(self) -> int:
+        """Tokens the policy sampled (the ones the loss trains on)."""
+        return int(self.loss_mask.sum())
+
+    def turn_spans(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each turn in ``tokens``: its action, then its observation."""
+        ends = [*self.turn_starts[1:].tolist(), self.num_tokens]
+        return list(zip(self.turn_starts.tolist(), ends))
+
+    def dense_rewards(self) -> np.ndarray:
+        """float32 ``[n]``: ``token_rewards`` if given, else each turn's reward on the last token
+        the policy sampled in that turn."""
+        if self.token_rewards.size:
+            return self.token_rewards
+        out = np.zeros(self.num_tokens, np.float32)
+        for (start, end), reward in zip(self.turn_spans(), self.turn_rewards):
+            sampled = np.flatnonzero(self.loss_mask[start:end])
+            out[start + int(sampled[-1])] = reward
+        return out
 
     def with_metadata(self, metadata: RolloutMetadata) -> Rollout:
         return attrs.evolve(self, metadata=metadata)

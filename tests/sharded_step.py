@@ -55,7 +55,7 @@ def main() -> None:
         # Equal response lengths: every micro-batch then holds as many loss tokens as any other,
         # so accumulating micro-batch means equals the mean over the whole batch.
         rollouts = [
-            Rollout(
+            Rollout.single_turn(
                 env_name="math",
                 lesson_id="add_1digit",
                 problem_id=str(i),

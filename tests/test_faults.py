@@ -144,7 +144,8 @@ def test_an_eval_in_which_every_problem_failed_reports_no_score():
         curriculum=curriculum,
         log=lambda metrics, *, step, source: logged.append(metrics),
     )
-    worker.manager.env("flaky").score = lambda problem, response: 1 / 0  # every grade fails
+    # The built env, inside the one-step adapter the rollout side wraps single-turn envs in.
+    worker.manager.env("flaky").env.score = lambda problem, response: 1 / 0  # every grade fails
     metrics = worker.evaluate()
     assert metrics["eval/flaky/n"] == 0
     assert "eval/flaky/reward" not in metrics

@@ -120,7 +120,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(fresh, models, tok):
     prompts = prompts_of(tok, 6)
     out = fresh.generate(prompts, n=4, temperature=1.0, max_tokens=6, seed=3)
     rollouts = [
-        Rollout(
+        Rollout.single_turn(
             env_name="mock",
             lesson_id="l",
             problem_id=str(i),
@@ -169,7 +169,7 @@ def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, to
         for i, (prompt, group) in enumerate(zip(prompts, out)):
             for s in group:
                 rollouts.append(
-                    Rollout(
+                    Rollout.single_turn(
                         env_name="mock", lesson_id=f"t{temperature}", problem_id=str(i),
                         prompt_tokens=prompt, response_tokens=s.tokens,
                         response_logprobs=s.logprobs, reward=0.0,

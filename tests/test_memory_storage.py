@@ -53,7 +53,7 @@ def make_batch(writer: str, index: int, *, group_sizes=(2, 1)) -> RolloutBatch:
         groups.append(
             RolloutGroup(
                 rollouts=[
-                    Rollout(
+                    Rollout.single_turn(
                         env_name="env",
                         lesson_id="lesson",
                         problem_id=f"{writer}/{index}/{g}",

@@ -57,7 +57,7 @@ def rollout(
     n_response: int = 3,
     truncated: bool = False,
 ) -> Rollout:
-    return Rollout(
+    return Rollout.single_turn(
         env_name=env,
         lesson_id="lesson",
         problem_id=problem,
@@ -136,7 +136,7 @@ def test_sampling_skips_rollouts_that_aged_out_since_the_last_step():
 
 def test_rollouts_without_metadata_are_refused_and_nothing_is_added():
     buffer = make_buffer()
-    bare = Rollout(
+    bare = Rollout.single_turn(
         env_name="math",
         lesson_id="l",
         problem_id="p7",

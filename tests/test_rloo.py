@@ -75,7 +75,7 @@ def make_rollouts(tok, rewards):
     responses = [tok.encode("7") + [tok.eos_id], tok.encode("8"), tok.encode("12") + [tok.eos_id], tok.encode("7cat")]
     rng = np.random.default_rng(0)
     return [
-        Rollout(
+        Rollout.single_turn(
             env_name="math",
             lesson_id="add",
             problem_id="3+4",

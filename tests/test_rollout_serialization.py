@@ -20,7 +20,7 @@ from marin_rl_core.rollout_serialization import (
 
 def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bool = True):
     rng = np.random.default_rng(i)
-    return Rollout(
+    return Rollout.single_turn(
         env_name=f"env{i % 2}",
         lesson_id=f"lesson-{i % 3}",
         problem_id=f"p{i}-ünïcode",
@@ -43,10 +43,11 @@ def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bo
 
 def assert_same_rollout(a: Rollout, b: Rollout) -> None:
     assert (a.env_name, a.lesson_id, a.problem_id) == (b.env_name, b.lesson_id, b.problem_id)
-    for name in ("prompt_tokens", "response_tokens", "response_logprobs"):
+    for name in ("tokens", "loss_mask", "logprobs", "turn_starts", "turn_rewards", "token_rewards"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and x.shape == y.shape, name
         assert x.tobytes() == y.tobytes(), name  # bit-exact, NaN-safe
+    assert a.part == b.part and type(b.part) is int
     assert a.reward == b.reward and type(b.reward) is float
     assert a.truncated == b.truncated and type(b.truncated) is bool
     assert a.metadata == b.metadata
@@ -76,11 +77,11 @@ def test_round_trip_is_exact_with_unequal_and_empty_groups():
 
 def test_special_float_values_round_trip_bitwise():
     r = make_rollout(0, n_response=4)
-    r = Rollout(
+    r = Rollout.single_turn(
         env_name="e",
         lesson_id="l",
         problem_id="p",
-        prompt_tokens=[],
+        prompt_tokens=[7],
         response_tokens=[1, 2, 3, 4],
         response_logprobs=[np.nan, -np.inf, -0.0, np.float32(1e-45)],
         reward=-0.0,
@@ -90,6 +91,41 @@ def test_special_float_values_round_trip_bitwise():
     back = deserialize_rollout_batch(serialize_rollout_batch(batch)).groups[0].rollouts[0]
     assert_same_rollout(r, back)
     assert np.signbit(back.reward)
+
+
+def test_multi_turn_rollouts_round_trip_with_turns_parts_and_token_rewards():
+    # prompt [1, 2], action [3, 4], observation [5], action [6], observation [7, 8], action [9]
+    mask = [0, 0, 1, 1, 0, 1, 0, 0, 1]
+    first = Rollout(
+        env_name="game",
+        lesson_id="guess",
+        problem_id="p",
+        tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9],
+        loss_mask=mask,
+        logprobs=np.where(np.asarray(mask, bool), -0.25, 0.0),
+        reward=1.0,
+        turn_starts=[2, 5, 8],
+        turn_rewards=[0.0, 0.0, 1.0],
+        token_rewards=np.linspace(0, 1, 9),
+        truncated=False,
+    )
+    second = Rollout(
+        env_name="game",
+        lesson_id="guess",
+        problem_id="p",
+        tokens=[1, 2, 10, 11],
+        loss_mask=[0, 0, 0, 1],
+        logprobs=[0, 0, 0, -1.5],
+        reward=1.0,
+        turn_starts=[3],
+        turn_rewards=[1.0],
+        part=1,
+    )
+    batch = RolloutBatch(groups=[RolloutGroup(rollouts=[first, second])])
+    back = deserialize_rollout_batch(serialize_rollout_batch(batch))
+    assert_same_batch(batch, back)
+    assert back.groups[0].rollouts[0].turn_spans() == [(2, 5), (5, 8), (8, 9)]
+    assert back.groups[0].rollouts[1].dense_rewards().tolist() == [0, 0, 0, 1.0]
 
 
 def test_empty_batch_round_trips():

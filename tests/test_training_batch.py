@@ -12,7 +12,7 @@ PAD = 0
 
 
 def rollout(prompt, response, logprobs, reward=1.0) -> Rollout:
-    return Rollout(
+    return Rollout.single_turn(
         env_name="mock",
         lesson_id="l",
         problem_id="p",

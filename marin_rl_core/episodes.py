@@ -1,0 +1,562 @@
+"""Episodes: the framework's loop over envs, from the first prompt to the last turn's reward.
+
+Every env is run as a :class:`~marin_rl_core.protocols.MultiTurnEnv`: ``reset(problem)`` starts an
+episode and ``step(action)`` answers each action with a :class:`~marin_rl_core.types.Step`. A
+single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score``) is wrapped by
+:func:`as_multi_turn`: its episode is one step that scores the action and ends.
+
+:class:`EpisodeRunner` runs all the episodes of a rollout batch at once:
+
+* The first action of every episode is sampled in one call, ``n`` samples per prompt, with the
+  batch's seed (for a single-turn env this is exactly the one generation call of a batch).
+* Env steps run concurrently: an ``async def step`` on the runner's event loop, a plain ``step``
+  on one worker thread per runner (so an env sees one call at a time, as ``score`` always did).
+  While steps run, generation goes on for every episode that is waiting for an action, batched
+  into one call; each episode's sampling key depends only on the batch seed, the episode and
+  the turn, so results do not depend on which episodes happened to be batched together.
+* Token in, token out: the tokens the policy sampled are kept as sampled, and an observation
+  is appended as its own tokens; earlier tokens are never re-tokenized. Text observations are
+  encoded without BOS. With a chat template the conversation so far plus the observation is
+  rendered and must *extend* the tokens so far (the extension property); where it does not
+  (a template that drops past reasoning, or a sampled action that is not the canonical encoding
+  of its text), the episode goes on in a new training sample (``Rollout.part`` 1, 2, ...)
+  whose prompt is the fresh rendering.
+* Limits: ``episodes.max_turns``, the model's ``max_seq_len`` (the whole episode shares it),
+  ``episodes.step_timeout_s`` per env call and ``episodes.episode_timeout_s`` per episode. An
+  episode that hits the turn or token limit ends *truncated* and is trained on; an env call that
+  exceeds a timeout is cut off (counted in ``env_timeouts``) and an env call that raises fails
+  its episode (``env_errors``): a failed episode loses its problem's group, since the group's
+  advantages would otherwise be computed without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from marin_rl_core.config import EpisodesConfig
+from marin_rl_core.protocols import Env, Episode, MultiTurnEnv
+from marin_rl_core.types import Action, Problem, Rollout, SamplingParams, Step, as_score
+
+logger = logging.getLogger(__name__)
+
+
+# --- the single-turn adapter ----------------------------------------------------------------------
+
+
+class _ScoredEpisode:
+    """One step: score the action with the wrapped env's ``score``, and end."""
+
+    def __init__(self, env: Env, problem: Problem):
+        self._env, self._problem = env, problem
+
+    def step(self, action: Action) -> Step:
+        score = as_score(self._env.score(self._problem, action.text))
+        return Step(reward=score.reward, done=True, metrics=score.metrics)
+
+
+@attrs.frozen
+class SingleTurnEpisodes:
+    """A single-turn :class:`~marin_rl_core.protocols.Env` as a
+    :class:`~marin_rl_core.protocols.MultiTurnEnv`; see :func:`as_multi_turn`."""
+
+    env: Env
+
+    def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
+        return self.env.sample_problems(n, mode=mode, seed=seed)
+
+    def reset(self, problem: Problem) -> Episode:
+        return _ScoredEpisode(self.env, problem)
+
+
+def as_multi_turn(env: Env | MultiTurnEnv) -> MultiTurnEnv:
+    """``env`` as a multi-turn env: itself if it has ``reset``, else a one-step episode per
+    problem whose step calls ``env.score``. The rollout side applies it to every env; it is
+    public for tests and for code that drives envs itself."""
+    if callable(getattr(env, "reset", None)):
+        return env  # type: ignore[return-value]
+    if not callable(getattr(env, "score", None)):
+        raise TypeError(
+            f"{type(env).__name__} has neither score() (a single-turn env) nor reset() (a "
+            "multi-turn env); implement one of them"
+        )
+    return SingleTurnEpisodes(env)  # type: ignore[arg-type]
+
+
+# --- limits and results ---------------------------------------------------------------------------
+
+
+class EpisodeFailure(Exception):
+    """An episode that cannot be trained on: ``kind`` is ``"error"`` or ``"timeout"``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+@attrs.define
+class EpisodeResult:
+    """What one episode produced.
+
+    Args:
+        rollouts: its training samples (one unless a chat template forced a split), without
+            metadata; empty when the episode failed.
+        failure: ``None``, or why the episode failed.
+        metrics: the last step's metrics.
+        turns: actions taken.
+        env_seconds: time spent in env calls (``reset`` and ``step``).
+        env_step_seconds: time spent in ``step`` calls.
+        env_calls: ``step`` calls.
+    """
+
+    rollouts: list[Rollout] = attrs.field(factory=list)
+    failure: EpisodeFailure | None = None
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    turns: int = 0
+    env_seconds: float = 0.0
+    env_step_seconds: float = 0.0
+    env_calls: int = 0
+
+
+@attrs.define(eq=False)
+class _Live:
+    """The state of one running episode."""
+
+    index: int  # problem_index * n + k
+    problem: Problem
+    episode: Any = None
+    tokens: list[int] = attrs.field(factory=list)
+    mask: list[bool] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    turn_starts: list[int] = attrs.field(factory=list)
+    turn_rewards: list[float] = attrs.field(factory=list)
+    messages: list[dict[str, str]] = attrs.field(factory=list)
+    turn: int = 0
+    truncated: bool = False
+    deadline: float = float("inf")
+    result: EpisodeResult = attrs.field(factory=EpisodeResult)
+
+
+# --- a thread that may hang ----------------------------------------------------------------------
+
+
+class _DaemonThreadExecutor(concurrent.futures.Executor):
+    """One daemon thread running submitted calls in order. A call that hangs keeps this thread
+    (the runner then starts a new executor), and, being a daemon, never blocks process exit as a
+    ``ThreadPoolExecutor``'s thread would."""
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+                future.set_exception(exc)
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def hand_over(self, other: _DaemonThreadExecutor) -> None:
+        """Move the calls not yet started to ``other`` (this thread is stuck), and let this
+        thread end should its call ever return."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                other._queue.put(item)
+        self._queue.put(None)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._queue.put(None)
+
+
+# --- the runner ----------------------------------------------------------------------------------
+
+
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """The sampling seed of an episode's action at ``turn`` >= 1 (turn 0 uses the batch seed)."""
+    return int(np.random.SeedSequence([seed % 2**32, episode, turn]).generate_state(1)[0] >> 1)
+
+
+class EpisodeRunner:
+    """Runs episodes against a :class:`~marin_rl_core.inference.SamplingEngine`; see the module
+    docstring.
+
+    Args:
+        engine: the sampling engine (its ``generate`` is called from one thread at a time).
+        tokenizer: encodes observations and decodes actions.
+        use_chat_template: render chat observations through the tokenizer's chat template.
+        max_seq_len: the most tokens of one episode's sample.
+        stop_ids: the tokenizer's stop tokens (removed from an action's text).
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        use_chat_template: bool,
+        max_seq_len: int,
+    ):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.chat = bool(use_chat_template and tokenizer.chat_template is not None)
+        self.max_seq_len = max_seq_len
+        self._loop = asyncio.new_event_loop()
+        self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
+        self._generate_thread = _DaemonThreadExecutor("marinrl-generate")
+        self.hung_threads = 0
+
+    def close(self) -> None:
+        self._env_thread.shutdown()
+        self._generate_thread.shutdown()
+        self._loop.close()
+
+    def run(self, *args: Any, **kwargs: Any) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
+        """:meth:`run_async` on the runner's own event loop (kept for the life of the runner,
+        so an async env may hold loop-bound resources across batches)."""
+        return self._loop.run_until_complete(self.run_async(*args, **kwargs))
+
+    # --- env calls ------------------------------------------------------------------------
+
+    async def _env_call(
+        self,
+        live: _Live,
+        fn: Callable[..., Any],
+        *args: Any,
+        limits: EpisodesConfig,
+        step: bool = True,
+    ) -> Any:
+        """``fn(*args)`` (sync on the env thread, or awaited), bounded by the step and episode
+        timeouts; raises :class:`EpisodeFailure`. ``step``: count it as an env step."""
+        timeout = limits.step_timeout_s or None
+        left = live.deadline - time.monotonic()
+        if left <= 0:
+            raise EpisodeFailure(
+                "timeout", f"episode took longer than {limits.episode_timeout_s} s"
+            )
+        if timeout is None or left < timeout:
+            timeout = left if left != float("inf") else timeout
+        on_thread = not inspect.iscoroutinefunction(fn)
+        spent = [0.0]
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def timed() -> Any:  # the time inside the call, not the wait for the env thread
+            loop.call_soon_threadsafe(started.set)
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                spent[0] = time.perf_counter() - start
+
+        start = time.perf_counter()
+        try:
+            if on_thread:
+                call = asyncio.wrap_future(self._env_thread.submit(timed))
+                # The step timeout runs from when the call starts on the env thread, not
+                # while it waits behind other episodes' calls (the episode deadline does).
+                waiting = asyncio.ensure_future(started.wait())
+                left = live.deadline - time.monotonic()
+                await asyncio.wait(
+                    {waiting, call},
+                    timeout=None if left == float("inf") else max(left, 0.0),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                waiting.cancel()
+                if not started.is_set() and not call.done():
+                    raise TimeoutError
+            else:
+                call = fn(*args)
+            result = await asyncio.wait_for(call, timeout)
+            if inspect.isawaitable(result):  # a plain function that returned an awaitable
+                awaited = time.perf_counter()
+                try:
+                    result = await asyncio.wait_for(result, timeout)
+                finally:
+                    spent[0] += time.perf_counter() - awaited
+        except TimeoutError:
+            spent[0] = time.perf_counter() - start
+            if on_thread and started.is_set():
+                # The env thread is stuck in that call: the calls queued behind it move to a
+                # new thread.
+                self.hung_threads += 1
+                stuck = self._env_thread
+                self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
+                stuck.hand_over(self._env_thread)
+            raise EpisodeFailure(
+                "timeout",
+                f"{getattr(fn, '__qualname__', fn)} did not return within {timeout:.1f} s",
+            ) from None
+        except EpisodeFailure:
+            raise
+        except Exception as exc:
+            raise EpisodeFailure("error", f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if not on_thread:
+                spent[0] = time.perf_counter() - start
+            live.result.env_seconds += spent[0]
+            if step:
+                live.result.env_step_seconds += spent[0]
+                live.result.env_calls += 1
+        return result
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run_async(
+        self,
+        env: MultiTurnEnv,
+        problems: Sequence[Problem],
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int,
+        sampling: SamplingParams,
+        stop_tokens: Sequence[int],
+        seed: int,
+        limits: EpisodesConfig,
+        env_name: str,
+        lesson_id: str,
+    ) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
+        """Run ``n`` episodes of each problem (``prompts[i]`` its prompt tokens), sampling with
+        ``sampling`` (``stop_tokens``: every token that ends an action).
+
+        Returns ``results[i][k]`` for the ``k``-th episode of problem ``i`` and timing metrics:
+        ``generate_seconds`` (time in generation calls) and ``generate_calls``.
+        """
+        stop_set = set(int(t) for t in stop_tokens) | set(self.tokenizer.stop_ids)
+        now = time.monotonic()
+        deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
+        lives = [
+            _Live(
+                index=i * n + k,
+                problem=problem,
+                tokens=[int(t) for t in prompts[i]],
+                mask=[False] * len(prompts[i]),
+                logprobs=[0.0] * len(prompts[i]),
+                messages=[dict(m) for m in problem.messages]
+                or [{"role": "user", "content": problem.prompt}],
+                deadline=deadline,
+            )
+            for i, problem in enumerate(problems)
+            for k in range(n)
+        ]
+        timing = {"generate_seconds": 0.0, "generate_calls": 0.0}
+        ready: list[_Live] = []
+        wake = asyncio.Event()
+        running: set[asyncio.Task[Any]] = set()
+
+        async def generate(batch: list[_Live], **kwargs: Any) -> list[list[Any]]:
+            start = time.perf_counter()
+            out = await asyncio.wrap_future(
+                self._generate_thread.submit(
+                    self.engine.generate,
+                    temperature=sampling.temperature,
+                    max_tokens=sampling.max_tokens,
+                    stop_tokens=sampling.stop_tokens,
+                    **kwargs,
+                )
+            )
+            timing["generate_seconds"] += time.perf_counter() - start
+            timing["generate_calls"] += 1
+            return out
+
+        def finish(live: _Live, failure: EpisodeFailure | None = None) -> None:
+            live.result.turns = live.turn
+            if failure is not None:
+                live.result.failure = failure
+                live.result.rollouts = []
+            else:
+                self._close_part(live, env_name=env_name, lesson_id=lesson_id)
+                reward = episode_reward(live.result)
+                live.result.rollouts = [
+                    attrs.evolve(r, reward=reward, truncated=live.truncated)
+                    for r in live.result.rollouts
+                ]
+            close = getattr(env, "close", None)
+            if close is not None and live.episode is not None:
+                try:
+                    close(live.episode)
+                except Exception as exc:  # noqa: BLE001 - a failed close loses nothing trained
+                    logger.warning(
+                        "env %s: close(episode) raised %s: %s", env_name, type(exc).__name__, exc
+                    )
+
+        async def act(live: _Live, sample: Any) -> None:
+            """Apply a sampled action, step the env, and queue the episode for its next one."""
+            try:
+                action = self._take_action(live, sample, stop_set)
+                if live.episode is None:
+                    live.episode = await self._env_call(
+                        live, env.reset, live.problem, limits=limits, step=False
+                    )
+                step = await self._env_call(live, live.episode.step, action, limits=limits)
+                if not isinstance(step, Step):
+                    raise EpisodeFailure(
+                        "error", f"step() returned {type(step).__name__}, expected a Step"
+                    )
+                live.turn_rewards.append(step.reward)
+                live.result.metrics = dict(step.metrics)
+                if step.done:
+                    finish(live)
+                    return
+                if live.turn >= limits.max_turns:
+                    live.truncated = True
+                    finish(live)
+                    return
+                self._observe(live, step, action, env_name=env_name, lesson_id=lesson_id)
+                if len(live.tokens) >= self.max_seq_len:
+                    live.truncated = True  # no room left for another action
+                    finish(live)
+                    return
+                ready.append(live)
+                wake.set()
+            except EpisodeFailure as failure:
+                finish(live, failure)
+            except Exception as exc:  # an observation that cannot be encoded, and the like
+                finish(live, EpisodeFailure("error", f"{type(exc).__name__}: {exc}"))
+
+        def spawn(coro: Any) -> None:
+            task = asyncio.ensure_future(coro)
+            running.add(task)
+            task.add_done_callback(running.discard)
+
+        # Turn 0: every episode's first action in one call, n per prompt, the batch's seed.
+        first = await generate(lives, prompts=list(prompts), n=n, seed=seed) if lives else []
+        for i in range(len(problems)):
+            for k in range(n):
+                spawn(act(lives[i * n + k], first[i][k]))
+
+        # Later turns: whoever waits for an action, batched, with per-episode keys.
+        while running or ready:
+            if not ready:
+                wake.clear()
+                waiter = asyncio.ensure_future(wake.wait())
+                await asyncio.wait({waiter, *running}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                continue
+            batch, ready[:] = list(ready), []
+            expired = [live for live in batch if time.monotonic() > live.deadline]
+            for live in expired:
+                finish(live, EpisodeFailure("timeout", "episode timed out"))
+            batch = [live for live in batch if live not in expired]
+            if not batch:
+                continue
+            samples = await generate(
+                batch,
+                prompts=[live.tokens for live in batch],
+                n=1,
+                seed=seed,
+                prompt_seeds=[episode_seed(seed, live.index, live.turn) for live in batch],
+            )
+            for live, sample in zip(batch, samples):
+                spawn(act(live, sample[0]))
+        return [[lives[i * n + k].result for k in range(n)] for i in range(len(problems))], timing
+
+    def _take_action(self, live: _Live, sample: Any, stop_set: set[int]) -> Action:
+        tokens = [int(t) for t in sample.tokens]
+        if not tokens:
+            raise EpisodeFailure("error", "the sampler returned an empty action")
+        live.turn_starts.append(len(live.tokens))
+        live.tokens.extend(tokens)
+        live.mask.extend([True] * len(tokens))
+        live.logprobs.extend(float(x) for x in sample.logprobs)
+        live.turn += 1
+        truncated = not sample.stopped
+        live.truncated = truncated
+        text = self.tokenizer.decode([t for t in tokens if t not in stop_set])
+        live.messages.append({"role": "assistant", "content": text})
+        return Action(text=text, token_ids=tuple(tokens), truncated=truncated, turn=live.turn - 1)
+
+    def _observe(
+        self, live: _Live, step: Step, action: Action, *, env_name: str, lesson_id: str
+    ) -> None:
+        """Append the observation's tokens (or start a new part where the template would
+        rewrite the past)."""
+        observation = step.observation
+        if not self.chat:
+            if not isinstance(observation, str):
+                raise EpisodeFailure(
+                    "error",
+                    "the env returned chat messages as an observation, but the model has no chat "
+                    "template (or model.use_chat_template is false); return text instead",
+                )
+            new = self.tokenizer.encode(observation) if observation else []
+        else:
+            messages = (
+                [{"role": "user", "content": observation}]
+                if isinstance(observation, str)
+                else [dict(m) for m in observation]
+            )
+            live.messages.extend(messages)
+            rendered = self.tokenizer.encode_chat(live.messages)
+            if rendered[: len(live.tokens)] != live.tokens:
+                # The template changes what came before: go on in a new training sample.
+                self._close_part(live, env_name=env_name, lesson_id=lesson_id)
+                live.tokens = list(rendered)
+                live.mask = [False] * len(rendered)
+                live.logprobs = [0.0] * len(rendered)
+                live.turn_starts, live.turn_rewards = [], []
+                return
+            new = rendered[len(live.tokens) :]
+        live.tokens.extend(int(t) for t in new)
+        live.mask.extend([False] * len(new))
+        live.logprobs.extend([0.0] * len(new))
+
+    def _close_part(self, live: _Live, *, env_name: str, lesson_id: str) -> None:
+        """Turn what the episode has gathered since its last part into a :class:`Rollout`."""
+        if not live.turn_starts:
+            return
+        rollout = Rollout(
+            env_name=env_name,
+            lesson_id=lesson_id,
+            problem_id=live.problem.id,
+            tokens=live.tokens,
+            loss_mask=live.mask,
+            logprobs=live.logprobs,
+            reward=0.0,  # the episode reward, set on every part once the episode is over
+            turn_starts=live.turn_starts,
+            turn_rewards=live.turn_rewards[: len(live.turn_starts)],
+            part=len(live.result.rollouts),
+            truncated=live.truncated,
+        )
+        live.result.rollouts.append(rollout)
+
+
+def episode_reward(result: EpisodeResult) -> float:
+    """The sum of the turn rewards over all parts of an episode."""
+    return float(sum(float(np.sum(r.turn_rewards)) for r in result.rollouts))
+
+
+__all__ = [
+    "EpisodeFailure",
+    "EpisodeResult",
+    "EpisodeRunner",
+    "SingleTurnEpisodes",
+    "as_multi_turn",
+    "episode_reward",
+    "episode_seed",
+]

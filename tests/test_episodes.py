@@ -1,0 +1,315 @@
+"""Multi-turn episodes through the real sampling engine: token-exact rollouts, logprobs the
+trainer agrees with, concurrency, limits and failures."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import attrs
+import numpy as np
+import pytest
+
+from marin_rl_core import (
+    Action,
+    EnvPlugin,
+    Problem,
+    Rollout,
+    RolloutGroup,
+    Step,
+    build_registry,
+    hookimpl,
+)
+from marin_rl_core.config import resolve_config
+from marin_rl_core.episodes import as_multi_turn
+from marin_rl_core.replay_buffer import episode_advantages
+
+# --- the game on its own -------------------------------------------------------------------------
+
+
+def play(env, hidden: int, policy) -> tuple[float, int]:
+    """Play one game with ``policy(history) -> guess text``; returns (reward, guesses)."""
+    problem = Problem(id=f"hidden-{hidden}", prompt="?", info={"hidden": hidden})
+    episode = env.reset(problem)
+    history: list[tuple[int, str]] = []
+    while True:
+        text = policy(history)
+        step = episode.step(Action(text=text, turn=len(history)))
+        if step.done:
+            return step.reward, int(step.metrics["guesses"])
+        history.append((int(text[0]) if text[:1].isdigit() else -1, step.observation))
+
+
+def test_the_game_rewards_using_the_feedback_and_caps_feedback_blind_play_at_40_percent():
+    from marin_rl_plugins.guess_env import GuessEnv, GuessEnvConfig
+
+    env = GuessEnv(GuessEnvConfig())
+
+    def binary_search(history):
+        low, high = 0, 9
+        for guess, feedback in history:
+            if feedback == "<":
+                high = guess - 1
+            elif feedback == ">":
+                low = guess + 1
+        return str((low + high + 1) // 2)
+
+    results = [play(env, d, binary_search) for d in range(10)]
+    assert [r for r, _ in results] == [1.0] * 10
+    assert max(g for _, g in results) == 4
+
+    # Any fixed sequence of guesses (what a feedback-blind greedy policy plays) finds at most 4
+    # of the 10 digits; the best of them finds exactly 4.
+    for fixed in (["0", "1", "2", "3"], ["5", "5", "5", "5"], ["9", "x", "37", "8"]):
+        solved = sum(play(env, d, lambda h, f=fixed: f[len(h)])[0] for d in range(10))
+        assert solved <= 4
+    assert sum(play(env, d, lambda h: "0123"[len(h)])[0] for d in range(10)) == 4
+
+    # Invalid guesses cost a guess and say so.
+    episode = env.reset(Problem(id="h", prompt="?", info={"hidden": 3}))
+    assert episode.step(Action(text="x")).observation == "?"
+    assert episode.step(Action(text="37")).observation == "?"
+    assert episode.step(Action(text="5<eos>")).observation == "<"
+    # Eval poses every digit once.
+    assert [p.info["hidden"] for p in env.sample_problems(30, mode="eval", seed=0)] == list(
+        range(10)
+    )
+
+
+# --- episodes through the real engine ------------------------------------------------------------
+
+
+def _manager(env_name: str, *, modules=(), overrides=()):
+    from marin_rl_core.rollout_manager import RolloutManager
+    from marin_rl_core.tokenizer import model_tokenizer
+    from marin_rl_core.trainer import initial_model
+
+    registry = build_registry(modules=list(modules))
+    config = resolve_config(registry, selections={"env": env_name}, overrides=list(overrides))
+    tokenizer = model_tokenizer(config.model)
+    model = initial_model(config, tokenizer)
+    return RolloutManager(config, registry, model=model, tokenizer=tokenizer), config
+
+
+def test_multi_turn_rollouts_are_token_exact_and_the_trainer_agrees_with_the_sampler():
+    from marin_rl_core.model import next_token_logprobs
+    from marin_rl_core.trainer import sample_turns
+    from marin_rl_core.training_batch import training_batch_from_rollouts
+
+    manager, config = _manager("guess")
+    tokenizer = manager.tokenizer
+    batch, metrics = manager.sample_batch(
+        "guess_digit", n_examples=8, n_generations=4, mode="train", seed=3, weight_step=0,
+        worker_id="w",
+    )  # fmt: skip
+    rollouts = batch.rollouts
+    assert len(rollouts) == 32 and metrics["env_errors"] == 0 and metrics["env_timeouts"] == 0
+    multi = [r for r in rollouts if r.num_turns > 1]
+    assert multi, "an untrained policy rarely finds the digit at once: most episodes go on"
+    assert metrics["turns"] == pytest.approx(np.mean([r.num_turns for r in rollouts]))
+    feedback_ids = {tokenizer.token_id(t) for t in "<>?"}
+    for r in rollouts:
+        # The prompt, then per turn: the sampled action, then the env's one-token feedback.
+        assert r.tokens[:2].tolist() == tokenizer.encode("?", add_bos=True)
+        spans = r.turn_spans()
+        for i, (start, end) in enumerate(spans):
+            action_len = int(r.loss_mask[start:end].sum())
+            assert r.loss_mask[start : start + action_len].all()
+            observation = r.tokens[start + action_len : end]
+            if i < len(spans) - 1:
+                assert len(observation) == 1 and int(observation[0]) in feedback_ids
+            else:
+                assert len(observation) == 0  # nothing is appended after the last turn
+            assert not r.loss_mask[start + action_len : end].any()
+        assert not r.loss_mask[: r.prompt_length].any()
+        assert r.reward == float(r.turn_rewards.sum())
+        assert np.all(r.logprobs[~r.loss_mask] == 0)
+        turns = sample_turns(r, tokenizer)
+        assert len(turns) == r.num_turns and turns[-1]["observation"] == ""
+
+    # The trainer's logprobs of the policy's tokens equal the sampler's, in every turn.
+    advantages = np.linspace(-1, 1, len(rollouts))
+    train = training_batch_from_rollouts(
+        rollouts, advantages, config.model.max_seq_len, tokenizer.pad_id,
+        temperature=config.sampling_for(manager.lessons["guess_digit"]).temperature,
+    )  # fmt: skip
+    logprobs = np.asarray(
+        next_token_logprobs(manager.model, train.input_ids, temperature=train.temperature).array
+    )
+    mask = np.asarray(train.loss_mask.array)
+    assert mask.sum() == sum(r.num_policy_tokens for r in rollouts)
+    np.testing.assert_allclose(
+        logprobs * mask, np.asarray(train.behaviour_logprobs.array), atol=1e-4
+    )
+    # Positions that predict an observation token carry no loss and no advantage.
+    predicts_feedback = np.zeros_like(mask, dtype=bool)
+    for i, r in enumerate(rollouts):
+        after_prompt = np.arange(1, r.num_tokens) >= r.prompt_length
+        predicts_feedback[i, : r.num_tokens - 1] = after_prompt & ~r.loss_mask[1:]
+    assert predicts_feedback.sum() == sum(r.num_turns - 1 for r in rollouts) > 0
+    assert not mask[predicts_feedback].any()
+    assert not np.asarray(train.advantages.array)[predicts_feedback].any()
+
+
+def test_episodes_draw_the_same_tokens_from_the_same_seed():
+    manager, _ = _manager("guess")
+    kwargs = dict(n_examples=6, n_generations=4, mode="train", weight_step=0, worker_id="w")
+    a, _ = manager.sample_batch("guess_digit", seed=11, **kwargs)
+    b, _ = manager.sample_batch("guess_digit", seed=11, **kwargs)
+    c, _ = manager.sample_batch("guess_digit", seed=12, **kwargs)
+    assert [r.tokens.tolist() for r in a.rollouts] == [r.tokens.tolist() for r in b.rollouts]
+    assert [r.tokens.tolist() for r in a.rollouts] != [r.tokens.tolist() for r in c.rollouts]
+
+
+# --- envs that wait, hang, raise, or never end ---------------------------------------------------
+
+
+@attrs.frozen
+class ProbeConfig:
+    behaviour: str = "async_wait"  # async_wait | sync_hang | async_hang | raise | endless
+    delay_s: float = 0.05
+    hang_problem: str = "1"
+
+
+class ProbeEpisode:
+    def __init__(self, env: ProbeEnv, problem: Problem):
+        self.env, self.problem, self.turn = env, problem, 0
+
+    async def _async_step(self, action: Action) -> Step:
+        c = self.env.config
+        with self.env.lock:
+            self.env.in_flight += 1
+            self.env.most_in_flight = max(self.env.most_in_flight, self.env.in_flight)
+        try:
+            hang = c.behaviour == "async_hang" and self.problem.id == c.hang_problem
+            await asyncio.sleep(3600 if hang else c.delay_s)
+        finally:
+            with self.env.lock:
+                self.env.in_flight -= 1
+        return self._next(action)
+
+    def _next(self, action: Action) -> Step:
+        self.turn += 1
+        done = self.turn >= 3 and self.env.config.behaviour != "endless"
+        return Step(observation="!", reward=0.5 if done else 0.0, done=done)
+
+    def step(self, action: Action):
+        c = self.env.config
+        if c.behaviour in ("async_wait", "async_hang"):
+            return self._async_step(action)
+        if c.behaviour == "sync_hang" and self.problem.id == c.hang_problem:
+            time.sleep(3600)
+        if c.behaviour == "raise" and self.problem.id == c.hang_problem:
+            raise RuntimeError("the sandbox fell over")
+        return self._next(action)
+
+
+class ProbeEnv:
+    def __init__(self, config: ProbeConfig):
+        self.config = config
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+        self.closed = 0
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=str(i), prompt=f"{i}+{i}=") for i in range(n)]
+
+    def reset(self, problem):
+        return ProbeEpisode(self, problem)
+
+    def close(self, episode):
+        self.closed += 1
+
+
+class probe_plugin:
+    @staticmethod
+    @hookimpl
+    def marinrl_register_envs():
+        yield EnvPlugin(name="probe", summary="probe", config_class=ProbeConfig, build=ProbeEnv)
+
+
+def _probe(behaviour: str, *overrides: str):
+    manager, _ = _manager(
+        "probe",
+        modules=[probe_plugin],
+        overrides=[f"env.behaviour={behaviour}", "model.max_seq_len=32", *overrides],
+    )
+    return manager, manager.env("probe")
+
+
+def _sample(manager, **kwargs):
+    args = dict(n_examples=4, n_generations=4, mode="train", seed=0, weight_step=0, worker_id="w")
+    return manager.sample_batch("probe", **{**args, **kwargs})
+
+
+def test_async_steps_run_concurrently_and_every_episode_is_closed():
+    manager, env = _probe("async_wait")
+    batch, metrics = _sample(manager)
+    assert len(batch.rollouts) == 16 and all(r.num_turns == 3 for r in batch.rollouts)
+    assert all(r.reward == 0.5 and r.turn_rewards.tolist() == [0, 0, 0.5] for r in batch.rollouts)
+    assert env.most_in_flight == 16  # every episode's step waits at the same time
+    assert env.closed == 16
+    assert metrics["turns"] == 3 and metrics["env_step_seconds"] >= 0.05
+
+
+@pytest.mark.parametrize("behaviour", ["sync_hang", "async_hang"])
+def test_a_hanging_step_is_cut_off_counted_and_loses_only_its_group(behaviour, caplog):
+    manager, env = _probe(behaviour, "episodes.step_timeout_s=1.0")
+    batch, metrics = _sample(manager)
+    assert metrics["env_timeouts"] == 4  # the 4 episodes of problem 1
+    assert sorted({r.problem_id for r in batch.rollouts}) == ["0", "2", "3"]
+    assert "did not return within 1.0 s" in caplog.text
+    # The runner goes on: the next batch is served (a stuck env thread was replaced).
+    again, metrics = _sample(manager, seed=1)
+    assert metrics["env_timeouts"] == 4 and len(again.rollouts) == 12
+
+
+def test_a_step_that_raises_fails_its_problem_group():
+    manager, env = _probe("raise")
+    batch, metrics = _sample(manager)
+    assert metrics["env_errors"] == 1 and metrics["env_timeouts"] == 0
+    assert sorted({r.problem_id for r in batch.rollouts}) == ["0", "2", "3"]
+    assert env.closed == 16
+
+
+def test_an_endless_episode_stops_at_max_turns_truncated():
+    manager, _ = _probe("endless", "episodes.max_turns=5")
+    batch, metrics = _sample(manager)
+    assert {r.num_turns for r in batch.rollouts} <= {5} | set(range(1, 5))
+    # Unless the sequence filled model.max_seq_len first, each ran exactly 5 turns.
+    for r in batch.rollouts:
+        assert r.truncated
+        assert r.num_turns == 5 or r.num_tokens >= 32 - 1
+
+
+# --- the single-turn adapter and split episodes -------------------------------------------------
+
+
+def test_a_single_turn_env_is_a_one_step_episode():
+    from marin_rl_plugins.mock_env import MockEnv, MockEnvConfig
+
+    env = as_multi_turn(MockEnv(MockEnvConfig()))
+    problem = env.sample_problems(1, mode="train", seed=0)[0]
+    step = env.reset(problem).step(Action(text=problem.answer))
+    assert step == Step(reward=1.0, done=True)
+    assert as_multi_turn(env) is env
+    with pytest.raises(TypeError, match="neither score"):
+        as_multi_turn(object())
+
+
+def test_split_episodes_share_their_episode_advantage():
+    from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
+
+    def part(reward: float, part: int) -> Rollout:
+        return Rollout(
+            env_name="e", lesson_id="l", problem_id="p", tokens=[1, 2, 3], loss_mask=[0, 0, 1],
+            logprobs=[0, 0, -1], reward=reward, turn_starts=[2], turn_rewards=[reward], part=part,
+        )  # fmt: skip
+
+    # Three episodes; the second was split in two parts. RLOO sees three episodes, not four.
+    group = RolloutGroup(rollouts=[part(1, 0), part(0, 0), part(0, 1), part(0.5, 0)])
+    loss = RLOOLoss(RLOOConfig())
+    heads = loss.compute_advantages(RolloutGroup(rollouts=[group.rollouts[i] for i in (0, 1, 3)]))
+    got = episode_advantages(loss, group)
+    np.testing.assert_allclose(got, [heads[0], heads[1], heads[1], heads[2]])
