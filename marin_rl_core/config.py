@@ -350,11 +350,21 @@ class EpisodesConfig:
             ``rollout/env_timeouts``); 0 means no limit.
         episode_timeout_s: the longest one episode may take, generation included; 0 means no
             limit.
+        generation_cohorts: a multi-turn env's episodes are generated in up to this many
+            batches per turn, so that one cohort's env steps (a tool call, a sandbox) overlap
+            another's generation; 1 generates every waiting episode at once (lock-step turns).
+            Single-turn envs always take one generation call.
+        env_processes: build each lesson's env in this many processes of its own, so that an
+            env that crashes, hangs or burns CPU cannot take the rollout worker down (a dead
+            process fails its episodes and is started again; ``rollout/env_process_restarts``).
+            0 runs envs in the rollout worker's process.
     """
 
     max_turns: int = attrs.field(default=8, validator=attrs.validators.ge(1))
     step_timeout_s: float = attrs.field(default=60.0, validator=attrs.validators.ge(0))
     episode_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.ge(0))
+    generation_cohorts: int = attrs.field(default=2, validator=attrs.validators.ge(1))
+    env_processes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen(kw_only=True)

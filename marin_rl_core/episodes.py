@@ -7,13 +7,14 @@ single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score
 
 :class:`EpisodeRunner` runs all the episodes of a rollout batch at once:
 
-* The first action of every episode is sampled in one call, ``n`` samples per prompt, with the
-  batch's seed (for a single-turn env this is exactly the one generation call of a batch).
-* Env steps run concurrently: an ``async def step`` on the runner's event loop, a plain ``step``
-  on one worker thread per runner (so an env sees one call at a time, as ``score`` always did).
-  While steps run, generation goes on for every episode that is waiting for an action, batched
-  into one call; each episode's sampling key depends only on the batch seed, the episode and
-  the turn, so results do not depend on which episodes happened to be batched together.
+* A single-turn env's batch is sampled in one call, ``n`` samples per prompt, with the batch's
+  seed (exactly the one generation call a batch always was).
+* A multi-turn env's episodes are generated in up to ``episodes.generation_cohorts`` batches per
+  turn, and env steps run concurrently: an ``async def step`` on the runner's event loop, a plain
+  ``step`` on one worker thread per runner (so an env sees one call at a time, as ``score``
+  always did). While one cohort's steps run, generation goes on for the episodes waiting for an
+  action. Each action's sampling key depends only on the batch seed, the episode and the turn,
+  so results do not depend on which episodes happened to be batched together.
 * Token in, token out: the tokens the policy sampled are kept as sampled, and an observation
   is appended as its own tokens; earlier tokens are never re-tokenized. Text observations are
   encoded without BOS. With a chat template the conversation so far plus the observation is
@@ -71,6 +72,7 @@ class SingleTurnEpisodes:
     :class:`~marin_rl_core.protocols.MultiTurnEnv`; see :func:`as_multi_turn`."""
 
     env: Env
+    single_turn = True  # the runner samples such a batch in one generate call
 
     def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
         return self.env.sample_problems(n, mode=mode, seed=seed)
@@ -198,7 +200,8 @@ class _DaemonThreadExecutor(concurrent.futures.Executor):
 
 
 def episode_seed(seed: int, episode: int, turn: int) -> int:
-    """The sampling seed of an episode's action at ``turn`` >= 1 (turn 0 uses the batch seed)."""
+    """The sampling seed of an episode's action at ``turn`` (a single-turn env's batch uses the
+    batch seed instead, in one generate call)."""
     return int(np.random.SeedSequence([seed % 2**32, episode, turn]).generate_state(1)[0] >> 1)
 
 
@@ -444,11 +447,19 @@ class EpisodeRunner:
             running.add(task)
             task.add_done_callback(running.discard)
 
-        # Turn 0: every episode's first action in one call, n per prompt, the batch's seed.
-        first = await generate(lives, prompts=list(prompts), n=n, seed=seed) if lives else []
-        for i in range(len(problems)):
-            for k in range(n):
-                spawn(act(lives[i * n + k], first[i][k]))
+        cohorts = 1 if getattr(env, "single_turn", False) else limits.generation_cohorts
+        largest = max(1, -(-len(lives) // cohorts))
+        if cohorts == 1:
+            # Turn 0: every episode's first action in one call, n per prompt, the batch's seed
+            # (a single-turn env's batch is sampled exactly as one generate call would).
+            first = await generate(lives, prompts=list(prompts), n=n, seed=seed) if lives else []
+            for i in range(len(problems)):
+                for k in range(n):
+                    spawn(act(lives[i * n + k], first[i][k]))
+        else:
+            # Multi-turn: generate in cohorts, so that one cohort's env steps overlap the next
+            # one's generation; every action's key is the episode's own.
+            ready.extend(lives)
 
         # Later turns: whoever waits for an action, batched, with per-episode keys.
         while running or ready:
@@ -458,7 +469,7 @@ class EpisodeRunner:
                 await asyncio.wait({waiter, *running}, return_when=asyncio.FIRST_COMPLETED)
                 waiter.cancel()
                 continue
-            batch, ready[:] = list(ready), []
+            batch, ready[:] = list(ready[:largest]), ready[largest:]
             expired = [live for live in batch if time.monotonic() > live.deadline]
             for live in expired:
                 finish(live, EpisodeFailure("timeout", "episode timed out"))

@@ -137,6 +137,10 @@ class RolloutManager:
         self._engine.update_model(model)
 
     def shutdown(self) -> None:
+        for env in self._envs.values():
+            stop = getattr(env, "shutdown", None)
+            if stop is not None:
+                stop()
         self._envs.clear()
         self._runner.close()
 
@@ -148,7 +152,16 @@ class RolloutManager:
         if lesson_id not in self._envs:
             lesson = self.lessons[lesson_id]
             name, env_config = lesson_env_config(self.config, lesson, self.registry)
-            self._envs[lesson_id] = as_multi_turn(self.registry.get("env", name).build(env_config))
+            build = self.registry.get("env", name).build
+            processes = self.config.episodes.env_processes
+            if processes:
+                from marin_rl_core.env_pool import EnvProcessPool
+
+                self._envs[lesson_id] = EnvProcessPool(
+                    build, env_config, processes, name=f"{name} ({lesson_id})"
+                )
+            else:
+                self._envs[lesson_id] = as_multi_turn(build(env_config))
         return self._envs[lesson_id]
 
     def _stop_tokens(self, sampling: SamplingParams) -> list[int]:
@@ -311,6 +324,7 @@ class RolloutManager:
             "env_timeouts": float(timeouts),
             "turns": turns / episodes if episodes else 0.0,
             "env_step_seconds": step_seconds / env_calls if env_calls else 0.0,
+            "env_process_restarts": float(getattr(env, "restarts", 0)),
         }
         for name, values in score_metrics.items():
             metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))

@@ -4,6 +4,8 @@ trainer agrees with, concurrency, limits and failures."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import threading
 import time
 
@@ -167,7 +169,7 @@ def test_episodes_draw_the_same_tokens_from_the_same_seed():
 
 @attrs.frozen
 class ProbeConfig:
-    behaviour: str = "async_wait"  # async_wait | sync_hang | async_hang | raise | endless
+    behaviour: str = "async_wait"  # async_wait | sync_hang | async_hang | raise | crash | endless
     delay_s: float = 0.05
     hang_problem: str = "1"
 
@@ -192,7 +194,9 @@ class ProbeEpisode:
     def _next(self, action: Action) -> Step:
         self.turn += 1
         done = self.turn >= 3 and self.env.config.behaviour != "endless"
-        return Step(observation="!", reward=0.5 if done else 0.0, done=done)
+        return Step(
+            observation="!", reward=0.5 if done else 0.0, done=done, metrics={"pid": os.getpid()}
+        )
 
     def step(self, action: Action):
         c = self.env.config
@@ -202,6 +206,8 @@ class ProbeEpisode:
             time.sleep(3600)
         if c.behaviour == "raise" and self.problem.id == c.hang_problem:
             raise RuntimeError("the sandbox fell over")
+        if c.behaviour == "crash" and self.problem.id == c.hang_problem:
+            os._exit(3)  # a native library taking its process down
         return self._next(action)
 
 
@@ -283,6 +289,38 @@ def test_an_endless_episode_stops_at_max_turns_truncated():
         assert r.num_turns == 5 or r.num_tokens >= 32 - 1
 
 
+def test_envs_in_processes_of_their_own_serve_episodes():
+    manager, _ = _probe("async_wait", "episodes.env_processes=2")
+    batch, metrics = _sample(manager)
+    assert len(batch.rollouts) == 16 and {r.reward for r in batch.rollouts} == {0.5}
+    assert metrics["score/pid"] not in (0, os.getpid())  # the steps ran elsewhere
+    assert metrics["env_process_restarts"] == 0
+    manager.shutdown()
+
+
+def test_a_crashing_env_process_fails_its_episodes_and_is_replaced(caplog):
+    manager, _ = _probe("crash", "episodes.env_processes=2")
+    batch, metrics = _sample(manager)
+    # Problem 1's episodes took their process down (with any episode of problem 3, which it
+    # also held, still running there); the other process's problems finished.
+    survivors = {r.problem_id for r in batch.rollouts}
+    assert "1" not in survivors and {"0", "2"} <= survivors
+    assert metrics["env_errors"] == 4 - len(survivors)
+    assert "is replaced (exit code 3); its episodes failed" in caplog.text
+    again, metrics = _sample(manager, seed=1)
+    assert metrics["env_process_restarts"] >= 1
+    assert {"0", "2"} <= {r.problem_id for r in again.rollouts} <= {"0", "2", "3"}
+    manager.shutdown()
+
+
+def test_a_step_hanging_in_an_env_process_is_cut_off_and_the_process_replaced():
+    manager, _ = _probe("sync_hang", "episodes.env_processes=2", "episodes.step_timeout_s=1.0")
+    batch, metrics = _sample(manager)
+    assert metrics["env_timeouts"] >= 1 and metrics["env_process_restarts"] >= 1
+    assert batch is None or "1" not in {r.problem_id for r in batch.rollouts}
+    manager.shutdown()
+
+
 # --- the single-turn adapter and split episodes -------------------------------------------------
 
 
@@ -313,3 +351,127 @@ def test_split_episodes_share_their_episode_advantage():
     heads = loss.compute_advantages(RolloutGroup(rollouts=[group.rollouts[i] for i in (0, 1, 3)]))
     got = episode_advantages(loss, group)
     np.testing.assert_allclose(got, [heads[0], heads[1], heads[1], heads[2]])
+
+
+# --- chat templates: observations extend the tokens, or the episode goes on in a new part --------
+
+# ChatML that drops the content of every assistant turn but the last, as templates that strip
+# past reasoning do: rendering the conversation again never extends the tokens sampled so far.
+FORGETFUL_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and not loop.last %}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    pytest.importorskip("torch")
+    from transformers import AutoTokenizer
+
+    from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("chat")
+    checkpoint = write_tiny_hf_checkpoint(root / "qwen3", "qwen3")
+    # The same checkpoint with the forgetful template as its own.
+    forgetful = shutil.copytree(checkpoint, root / "forgetful")
+    tokenizer = AutoTokenizer.from_pretrained(str(forgetful))
+    tokenizer.chat_template = FORGETFUL_CHATML
+    tokenizer.save_pretrained(str(forgetful))
+    return checkpoint, forgetful
+
+
+def _chat_batch(checkpoint, *extra):
+    manager, config = _manager(
+        "probe",
+        modules=[probe_plugin],
+        overrides=[
+            f'model.checkpoint="{checkpoint}"',
+            "model.max_seq_len=96",
+            'model.inference_dtype="float32"',
+            "env.delay_s=0.0",
+            "sampling.max_tokens=4",
+            "eval.sampling.max_tokens=4",
+            *extra,
+        ],
+    )
+    batch, metrics = _sample(manager, n_examples=3, n_generations=4)
+    return manager, config, batch
+
+
+def _episodes(batch):
+    """The rollouts of each episode: a part 0 and the parts after it."""
+    episodes: list[list[Rollout]] = []
+    for r in batch.rollouts:
+        if r.part == 0:
+            episodes.append([])
+        episodes[-1].append(r)
+    return episodes
+
+
+TURN_END = "<|im_start|>user\n!<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_chat_observations_are_rendered_by_the_template_and_appended(tiny_qwen3):
+    from marin_rl_core.model import next_token_logprobs
+    from marin_rl_core.tokenizer import encode_prompt
+    from marin_rl_core.training_batch import training_batch_from_rollouts
+
+    manager, config, batch = _chat_batch(tiny_qwen3[0])
+    tokenizer = manager.tokenizer
+    episodes = _episodes(batch)
+    assert len(episodes) == 12
+    whole = [e[0] for e in episodes if len(e) == 1]
+    # An untrained model also samples ids of the checkpoint's padded vocabulary rows, which
+    # decode to nothing: such an action's text does not re-encode to its tokens, and its episode
+    # goes on in a new part (the next test). The others stay one sample.
+    assert len(whole) >= 3, "the template extends the tokens: episodes stay in one sample"
+    split = [e for e in episodes if len(e) > 1]
+    for parts in split:
+        assert sum(p.num_turns for p in parts) == 3
+    for r in whole:
+        problem = Problem(id=r.problem_id, prompt=f"{r.problem_id}+{r.problem_id}=")
+        assert r.tokens[: r.prompt_length].tolist() == encode_prompt(tokenizer, problem)
+        assert r.num_turns == 3
+        for start, end in r.turn_spans()[:-1]:
+            action = int(r.loss_mask[start:end].sum())
+            observation = tokenizer.decode(r.tokens[start + action : end].tolist())
+            # The template closes the assistant turn (unless the action already did), then the
+            # user's observation, then it opens the next assistant turn.
+            assert observation.endswith(TURN_END), observation
+            assert observation in (TURN_END, "\n" + TURN_END, "<|im_end|>\n" + TURN_END)
+
+    # The trainer's logprobs of the sampled tokens equal the sampler's.
+    train = training_batch_from_rollouts(
+        batch.rollouts, np.ones(len(batch.rollouts)), config.model.max_seq_len, tokenizer.pad_id,
+        temperature=config.sampling.temperature,
+    )  # fmt: skip
+    logprobs = next_token_logprobs(manager.model, train.input_ids, temperature=train.temperature)
+    mask = np.asarray(train.loss_mask.array)
+    np.testing.assert_allclose(
+        np.asarray(logprobs.array) * mask, np.asarray(train.behaviour_logprobs.array), atol=1e-4
+    )
+
+
+def test_a_template_that_rewrites_the_past_splits_the_episode_into_parts(tiny_qwen3):
+    manager, config, batch = _chat_batch(tiny_qwen3[1])
+    tokenizer = manager.tokenizer
+    episodes = _episodes(batch)
+    assert len(episodes) == 12
+    assert sum(len(e) > 1 for e in episodes) >= 9, "most actions have text the template drops"
+    for parts in episodes:
+        assert sum(p.num_turns for p in parts) == 3  # every turn is in exactly one part
+        assert {p.reward for p in parts} == {0.5}  # each part carries the episode's reward
+        assert [p.part for p in parts] == list(range(len(parts)))
+        for later in parts[1:]:
+            # A later part's prompt is the fresh rendering of the conversation so far.
+            prompt = tokenizer.decode(later.tokens[: later.prompt_length].tolist())
+            assert prompt.startswith("<|im_start|>user\n") and prompt.endswith(TURN_END)
+            assert not later.loss_mask[: later.prompt_length].any()
+    # The parts of an episode count once in its group's advantages.
+    from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
+
+    group = batch.groups[0]
+    advantages = episode_advantages(RLOOLoss(RLOOConfig()), group)
+    assert advantages.shape == (len(group.rollouts),)
+    np.testing.assert_allclose(advantages, 0.0)  # every episode earned 0.5

@@ -1,0 +1,250 @@
+"""Envs in processes of their own (``episodes.env_processes > 0``).
+
+:class:`EnvProcessPool` builds a lesson's env in each of ``n`` child processes and stands in for
+it as a :class:`~marin_rl_core.protocols.MultiTurnEnv`: problems are posed by the first process,
+and each episode lives in one process (the episodes of one problem in the same one, problems
+round robin), its ``step`` an ``async`` round trip. So an
+env that crashes (a segfault in a native library, ``os._exit``), hangs, or burns CPU cannot take
+the rollout worker down or hold its generation up:
+
+* a process that dies fails the episodes it held (counted as env errors) and is started again
+  for the episodes that follow (``restarts`` counts it);
+* a step the runner cuts off (``episodes.step_timeout_s``) kills its process, which may be stuck
+  in it, and fails that process's other episodes; the process is started again.
+
+Messages go over a ``multiprocessing`` pipe to a child this process started (the standard
+library's pickling), never over the network or through storage. The child is started with
+``spawn`` (a fresh interpreter, no JAX state inherited) and imports the env's ``build`` and
+config class by name, so both must be importable module-level objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from marin_rl_core.types import Action, Problem, Step
+
+logger = logging.getLogger(__name__)
+
+
+class EnvProcessDied(RuntimeError):
+    """The env process holding an episode died or was killed."""
+
+
+def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
+    """The child's loop: build the env, then answer one request at a time."""
+    import inspect
+
+    from marin_rl_core.episodes import SingleTurnEpisodes, as_multi_turn
+
+    env = as_multi_turn(build(config))
+    episodes: dict[int, Any] = {}
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        call_id, op, args = request
+        try:
+            if op == "sample_problems":
+                n, mode, seed = args
+                result: Any = env.sample_problems(n, mode=mode, seed=seed)
+            elif op == "reset":
+                episode_id, problem = args
+                episodes[episode_id] = env.reset(problem)
+                result = None
+            elif op == "step":
+                episode_id, action = args
+                result = episodes[episode_id].step(action)
+                if inspect.isawaitable(result):
+                    result = asyncio.run(_await(result))
+            elif op == "describe":
+                result = {"single_turn": isinstance(env, SingleTurnEpisodes)}
+            elif op == "close":
+                episode = episodes.pop(args[0], None)
+                close = getattr(env, "close", None)
+                if close is not None and episode is not None:
+                    close(episode)
+                result = None
+            else:
+                raise ValueError(f"unknown request {op!r}")
+            conn.send((call_id, True, result))
+        except Exception as exc:  # noqa: BLE001 - sent back, raised in the rollout worker
+            conn.send((call_id, False, f"{type(exc).__name__}: {exc}"))
+
+
+async def _await(awaitable: Any) -> Any:
+    return await awaitable
+
+
+class _EnvProcess:
+    """One child process and the thread that reads its answers."""
+
+    def __init__(self, index: int, build: Callable[[Any], Any], config: Any):
+        context = multiprocessing.get_context("spawn")
+        self.index = index
+        self.conn, child = context.Pipe()
+        self.process = context.Process(
+            target=_serve, args=(child, build, config), name=f"marinrl-env-{index}", daemon=True
+        )
+        self.process.start()
+        child.close()
+        self.pending: dict[int, concurrent.futures.Future[Any]] = {}
+        self.lock = threading.Lock()
+        self.dead = False
+        self.reader = threading.Thread(
+            target=self._read, name=f"marinrl-env-{index}-reader", daemon=True
+        )
+        self.reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call_id, ok, payload = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            with self.lock:
+                future = self.pending.pop(call_id, None)
+            if future is not None:
+                if ok:
+                    future.set_result(payload)
+                else:
+                    future.set_exception(RuntimeError(payload))
+        self._fail_all(f"env process {self.index} (pid {self.process.pid}) died")
+
+    def _fail_all(self, why: str) -> None:
+        with self.lock:
+            self.dead = True
+            pending, self.pending = self.pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(EnvProcessDied(why))
+
+    def call(self, call_id: int, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self.lock:
+            if self.dead:
+                future.set_exception(EnvProcessDied(f"env process {self.index} is gone"))
+                return future
+            self.pending[call_id] = future
+        try:
+            self.conn.send((call_id, op, args))
+        except (OSError, ValueError) as exc:
+            self._fail_all(f"env process {self.index} cannot be reached: {exc}")
+        return future
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+        self._fail_all(f"env process {self.index} was stopped")
+
+
+class _RemoteEpisode:
+    def __init__(self, pool: EnvProcessPool, process: _EnvProcess, episode_id: int):
+        self.pool, self.process, self.episode_id = pool, process, episode_id
+
+    async def step(self, action: Action) -> Step:
+        future = self.pool._call(self.process, "step", self.episode_id, action)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # Cut off by a timeout: the process may be stuck in this step. Replace it.
+            self.pool.replace(self.process, why="a step was cut off")
+            raise
+
+
+class EnvProcessPool:
+    """A :class:`~marin_rl_core.protocols.MultiTurnEnv` whose env runs in ``n`` child
+    processes; see the module docstring.
+
+    Args:
+        build: the env plugin's ``build``.
+        config: the env config to build it with.
+        n: processes.
+        name: for logs.
+        timeout: the longest ``sample_problems``, ``reset`` or ``close`` may take.
+    """
+
+    def __init__(
+        self, build: Callable[[Any], Any], config: Any, n: int, *, name: str, timeout: float = 120.0
+    ):
+        if n < 1:
+            raise ValueError(f"an env process pool needs at least one process, got {n}")
+        self.build, self.config, self.name, self.timeout = build, config, name, timeout
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self.processes = [_EnvProcess(i, build, config) for i in range(n)]
+        self._next = itertools.cycle(range(n))
+        self._assigned: dict[str, int] = {}
+        self.restarts = 0
+        described = self._call(self.processes[0], "describe").result(timeout)
+        self.single_turn: bool = bool(described["single_turn"])
+        """Whether the env in the processes is a single-turn env (``score``)."""
+
+    def _call(self, process: _EnvProcess, op: str, *args: Any) -> concurrent.futures.Future[Any]:
+        return process.call(next(self._ids), op, *args)
+
+    def _live(self, index: int) -> _EnvProcess:
+        """Process ``index``, started again first if it died."""
+        with self._lock:
+            process = self.processes[index]
+            if process.dead or not process.process.is_alive():
+                self._restart(index, why=f"exit code {process.process.exitcode}")
+            return self.processes[index]
+
+    def _restart(self, index: int, *, why: str) -> None:
+        old = self.processes[index]
+        old.kill()
+        self.restarts += 1
+        logger.warning(
+            "env %s: process %d (pid %s) is replaced (%s); its episodes failed",
+            self.name,
+            index,
+            old.process.pid,
+            why,
+        )
+        self.processes[index] = _EnvProcess(index, self.build, self.config)
+
+    def replace(self, process: _EnvProcess, *, why: str) -> None:
+        with self._lock:
+            if self.processes[process.index] is process:
+                self._restart(process.index, why=why)
+
+    def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
+        return self._call(self._live(0), "sample_problems", n, mode, seed).result(self.timeout)
+
+    async def reset(self, problem: Problem) -> _RemoteEpisode:
+        # The episodes of one problem share a process: a crash then fails few groups (a group
+        # with a failed episode is dropped whole).
+        if problem.id not in self._assigned:
+            if len(self._assigned) > 100_000:
+                self._assigned.clear()
+            self._assigned[problem.id] = next(self._next)
+        process = self._live(self._assigned[problem.id])
+        episode_id = next(self._ids)
+        await asyncio.wrap_future(self._call(process, "reset", episode_id, problem))
+        return _RemoteEpisode(self, process, episode_id)
+
+    def close(self, episode: _RemoteEpisode) -> None:
+        if not episode.process.dead:
+            self._call(episode.process, "close", episode.episode_id)
+
+    def shutdown(self) -> None:
+        for process in self.processes:
+            process.kill()
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [p.process.pid for p in self.processes]
+
+
+__all__ = ["EnvProcessDied", "EnvProcessPool"]
