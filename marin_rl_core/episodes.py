@@ -509,12 +509,8 @@ class EpisodeRunner:
         rewrite the past)."""
         observation = step.observation
         if not self.chat:
-            if not isinstance(observation, str):
-                raise EpisodeFailure(
-                    "error",
-                    "the env returned chat messages as an observation, but the model has no chat "
-                    "template (or model.use_chat_template is false); return text instead",
-                )
+            if not isinstance(observation, str):  # no template: the messages' text, in order
+                observation = "".join(m["content"] for m in observation)
             new = self.tokenizer.encode(observation) if observation else []
         else:
             messages = (

@@ -166,8 +166,8 @@ class Step:
     Args:
         observation: what the policy sees next: text (appended as tokens after the action,
             encoded without BOS; with a chat template it becomes a user message), or chat
-            messages (``{"role": "tool", "content": ...}``) for models with a chat template.
-            Ignored when ``done``.
+            messages (``{"role": "tool", "content": ...}``), rendered by the model's chat
+            template (without one, their contents are appended as text). Ignored when ``done``.
         reward: the reward of this turn's action. The episode reward is the sum over turns.
         done: the episode is over (solved, failed, or out of moves).
         metrics: named numbers reported beside the reward (as :class:`Score` metrics are);

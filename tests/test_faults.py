@@ -212,6 +212,9 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_m
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell's background job (`.ci/run &`) hands its children SIGINT ignored; a user's
+        # terminal does not. Give the job the terminal's default, as Ctrl-C meets it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300

@@ -135,7 +135,8 @@ def test_extra_plugin_module_is_loaded_and_listed(cli, install_dist):
     assert before.exit_code == 0, before.output
     assert json.loads(before.output) == json.loads(result.output)
     skipped = cli("--disable-plugin", "mock", "plugins", "list", "--kind", "env", "--json")
-    assert [row["name"] for row in json.loads(skipped.output)] == ["guess", "math"]
+    names = [row["name"] for row in json.loads(skipped.output)]
+    assert "mock" not in names and "math" in names
 
 
 def test_disabling_a_plugin_that_is_not_installed_is_an_error(cli):
