@@ -205,6 +205,13 @@ class ReplayBufferConfig:
             all zero (every sample got the same reward, so it carries no policy gradient); 0
             fills a batch with such groups only when informative ones run out (dynamic
             sampling, as in DAPO). 1 treats all groups alike.
+        min_group_size: a group with fewer rollouts left (after staleness and reuse) is not
+            sampled; group-relative advantages from one or two samples are noise.
+        env_token_fractions: each env's share of a training batch's tokens, when rollouts of
+            several envs wait (``{math = 0.7, guess = 0.3}``); envs not named share what is
+            left. Batches are filled round robin by token deficit: the env furthest below its
+            share gives its next group (newest and informative first). Empty: every group
+            competes alike, whatever its env.
     """
 
     capacity: int = 4096
@@ -213,6 +220,8 @@ class ReplayBufferConfig:
     recency_alpha: float = 3.0
     max_samples_per_rollout: int = 1
     uninformative_group_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    min_group_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    env_token_fractions: Mapping[str, float] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -854,6 +863,19 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
         errors.append(
             f"$.replay_buffer.capacity: {rb.capacity} rollouts can never fill a training batch of "
             f"$.trainer.batch_size = {t.batch_size}; raise the capacity to at least the batch size"
+        )
+    fractions = dict(rb.env_token_fractions)
+    lesson_envs = {lesson.env or config.env.name for lesson in config.curriculum.lessons}
+    unknown = sorted(set(fractions) - lesson_envs)
+    if unknown:
+        errors.append(
+            f"$.replay_buffer.env_token_fractions: {', '.join(unknown)} is not the env of any "
+            f"lesson (they use {', '.join(sorted(lesson_envs))})"
+        )
+    if any(not 0 <= f <= 1 for f in fractions.values()) or sum(fractions.values()) > 1 + 1e-6:
+        errors.append(
+            "$.replay_buffer.env_token_fractions: each share must be in [0, 1] and together at "
+            f"most 1, got {fractions}"
         )
     micro = config.trainer.microbatch_size
     if micro and config.trainer.batch_size % micro:

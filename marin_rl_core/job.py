@@ -1087,6 +1087,13 @@ def _postfix(latest: dict[str, Any]) -> dict[str, str]:
     }
     if evals:
         postfix["eval"] = " ".join(f"{k}={v:.2f}" for k, v in evals.items())
+    turns = latest.get("rollout/turns")
+    if isinstance(turns, int | float) and turns > 1:  # multi-turn episodes: how long they run
+        postfix["turns"] = f"{turns:.1f}"
+        postfix["env_step"] = f"{latest.get('rollout/env_step_seconds', 0.0):.3f}s"
+    timeouts = latest.get("rollout/env_timeouts")
+    if isinstance(timeouts, int | float) and timeouts > 0:
+        postfix["env_timeouts"] = f"{timeouts:.0f}"
     return postfix
 
 

@@ -66,6 +66,7 @@ class _EnvCounters:
     dropped_stale_time: int = 0
     evicted: int = 0
     sampled_rollouts: int = 0
+    sampled_tokens: int = 0
 
 
 class ReplayBuffer:
@@ -223,7 +224,9 @@ class ReplayBuffer:
         from marin_rl_core.rollout_serialization import serialize_rollout_batch
 
         with self._lock:
-            batch = RolloutBatch(groups=[RolloutGroup(rollouts=(e.rollout,)) for e in self._entries])
+            batch = RolloutBatch(
+                groups=[RolloutGroup(rollouts=(e.rollout,)) for e in self._entries]
+            )
             state = {
                 "advantages": [e.advantage for e in self._entries],
                 "groups": [e.group for e in self._entries],
@@ -283,11 +286,17 @@ class ReplayBuffer:
             groups: dict[int, list[int]] = {}
             for i, entry in enumerate(self._entries):  # oldest group first
                 groups.setdefault(entry.group, []).append(i)
-            members = list(groups.values())
+            # A group with too few rollouts left gives noisy group-relative advantages.
+            members = [m for m in groups.values() if len(m) >= self.config.min_group_size]
+            if sum(len(m) for m in members) < n:
+                return None
             informative = np.asarray(
                 [any(self._entries[i].advantage != 0.0 for i in m) for m in members]
             )
-            order = self._sampling_order(informative)
+            order = [int(k) for k in self._sampling_order(informative)]
+            envs = {self._entries[m[0]].env for m in members}
+            if self.config.env_token_fractions and len(envs) > 1:
+                order = self._order_by_token_budget(members, order, n)
 
             chosen: list[int] = []
             skipped: list[list[int]] = []
@@ -310,11 +319,52 @@ class ReplayBuffer:
                 entry = self._entries[i]
                 entry.uses += 1
                 self._window[entry.env].sampled_rollouts += 1
+                self._window[entry.env].sampled_tokens += entry.rollout.num_tokens
                 if entry.uses == 1:
                     self._used_total[entry.env] += 1
             limit = self.config.max_samples_per_rollout
             self._entries = [e for e in self._entries if e.uses < limit]
             return rollouts, advantages
+
+    def _env_shares(self, envs: set[str]) -> dict[str, float]:
+        """Each env's share of a batch's tokens: its configured fraction, or an equal part of
+        what the named envs leave; normalised over ``envs``."""
+        named = {e: f for e, f in self.config.env_token_fractions.items() if e in envs}
+        rest = [e for e in envs if e not in self.config.env_token_fractions]
+        left = max(0.0, 1.0 - sum(self.config.env_token_fractions.values()))
+        shares = {**named, **{e: left / len(rest) for e in rest}} if rest else named
+        total = sum(shares.values())
+        if total <= 0:
+            return {e: 1.0 / len(envs) for e in envs}
+        return {e: shares.get(e, 0.0) / total for e in envs}
+
+    def _order_by_token_budget(
+        self, members: list[list[int]], order: list[int], n: int
+    ) -> list[int]:
+        """``order`` rearranged so that a batch filled from its front meets each env's token
+        share: round robin by token deficit (the env furthest below its share of the tokens
+        taken so far gives its next group, in ``order``); groups of envs with no share come
+        last."""
+        queues: dict[str, list[int]] = defaultdict(list)
+        for k in order:
+            queues[self._entries[members[k][0]].env].append(k)
+        shares = self._env_shares(set(queues))
+        taken: dict[str, float] = defaultdict(float)
+        total = rollouts = 0
+        out: list[int] = []
+        while rollouts < n and any(queues[e] for e in shares if shares[e] > 0):
+            env = max(
+                (e for e in sorted(queues) if queues[e] and shares[e] > 0),
+                key=lambda e: shares[e] * (total + 1) - taken[e],
+            )
+            k = queues[env].pop(0)
+            tokens = sum(self._entries[i].rollout.num_tokens for i in members[k])
+            taken[env] += tokens
+            total += tokens
+            rollouts += len(members[k])
+            out.append(k)
+        seen = set(out)
+        return out + [k for k in order if k not in seen]
 
     def _sampling_order(self, informative: np.ndarray) -> np.ndarray:
         """Group indices (0 = oldest) in a random order where group ``k`` comes early with
@@ -376,6 +426,12 @@ class ReplayBuffer:
                     sum(self._used_total.values()),
                 )
             )
+            all_tokens = sum(self._window[env].sampled_tokens for env in envs)
+            if all_tokens:
+                for env in envs:
+                    out[f"{env}/frac_sampled_tokens"] = (
+                        self._window[env].sampled_tokens / all_tokens
+                    )
             if reset:
                 self._window.clear()
             return out
@@ -406,6 +462,7 @@ class ReplayBuffer:
             "dropped_stale_time",
             "evicted",
             "sampled_rollouts",
+            "sampled_tokens",
         ):
             out[name] = total(name)
         new = total("new_rollouts")
@@ -429,8 +486,10 @@ def episode_advantages(loss: RLLossModule, group: RolloutGroup) -> np.ndarray:
     advantage."""
     rollouts = group.rollouts
     heads = [i for i, r in enumerate(rollouts) if r.part == 0]
-    episodes = group if len(heads) == len(rollouts) else RolloutGroup(
-        rollouts=[rollouts[i] for i in heads]
+    episodes = (
+        group
+        if len(heads) == len(rollouts)
+        else RolloutGroup(rollouts=[rollouts[i] for i in heads])
     )
     advantages = np.asarray(loss.compute_advantages(episodes), dtype=np.float32).reshape(-1)
     if advantages.shape[0] != len(episodes.rollouts):

@@ -114,7 +114,37 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
             }
     summary["eval"] = dict(lessons)
     summary["stages"] = stage_seconds(rows)
+    summary["episodes"] = episode_stats(rows)
     return summary
+
+
+def episode_stats(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per lesson, over its training batches: ``success`` (mean episode reward), ``turns`` (mean
+    actions per episode), ``env_step_seconds`` (mean per env step), ``env_timeouts`` and
+    ``env_errors`` (totals)."""
+    by_lesson: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        if row.get("source") == "rollout" and isinstance(row.get("rollout/lesson"), str):
+            by_lesson[row["rollout/lesson"]].append(row)
+    out: dict[str, dict[str, float]] = {}
+
+    def values(lesson_rows: list[dict[str, Any]], key: str) -> list[float]:
+        return [float(r[key]) for r in lesson_rows if isinstance(r.get(key), int | float)]
+
+    for lesson, lesson_rows in sorted(by_lesson.items()):
+        stats = {}
+        for name, key in (
+            ("success", "rollout/reward"),
+            ("turns", "rollout/turns"),
+            ("env_step_seconds", "rollout/env_step_seconds"),
+        ):
+            found = values(lesson_rows, key)
+            if found:
+                stats[name] = sum(found) / len(found)
+        for name in ("env_timeouts", "env_errors"):
+            stats[name] = sum(values(lesson_rows, f"rollout/{name}"))
+        out[lesson] = stats
+    return out
 
 
 TRAINER_STAGES = {
@@ -207,4 +237,12 @@ def render_summary(summary: dict[str, Any]) -> Any:
     slowest = bottleneck(stages)
     if slowest:
         lines.append(f"bottleneck: {slowest}")
+    for lesson, e in summary.get("episodes", {}).items():
+        # Shown for multi-turn lessons, and for any lesson whose env timed out or failed.
+        if e.get("turns", 1.0) > 1.0 or e.get("env_timeouts") or e.get("env_errors"):
+            lines.append(
+                f"episodes of {lesson}: train success {e.get('success', 0.0):.3f}, "
+                f"{e.get('turns', 1.0):.2f} turns, env step {e.get('env_step_seconds', 0.0):.4f} s, "
+                f"{e['env_timeouts']:.0f} env timeouts, {e['env_errors']:.0f} env errors"
+            )
     return Group(table, *(Text(line) for line in lines))

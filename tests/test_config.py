@@ -80,7 +80,9 @@ def test_mistyped_value_names_the_path_and_expected_type(cli, tmp_path):
 
 
 def test_a_value_outside_its_choices_is_reported_at_the_field(cli):
-    result = cli("config", "show", "--set", 'trainer.lr_schedule="cosin"', "--set", 'env.split="swp"')
+    result = cli(
+        "config", "show", "--set", 'trainer.lr_schedule="cosin"', "--set", 'env.split="swp"'
+    )
     assert result.exit_code == ExitCode.CONFIG
     assert (
         "unknown lr_schedule 'cosin'; choose one of cosine, linear, constant @ $.trainer.lr_schedule"
@@ -243,3 +245,27 @@ def test_a_lesson_is_evaluated_with_its_own_eval_sampling():
     )
     assert batch is not None
     assert max(len(r.response_tokens) for r in batch.rollouts) == 1
+
+
+def test_env_token_fractions_name_lesson_envs_and_sum_to_at_most_one(cli):
+    from marin_rl_core.errors import ConfigError
+
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math"},
+        overrides=["replay_buffer.env_token_fractions={math = 0.6}"],
+    )
+    assert dict(config.replay_buffer.env_token_fractions) == {"math": 0.6}
+    with pytest.raises(ConfigError, match="guess is not the env of any lesson"):
+        resolve_config(
+            registry,
+            selections={"env": "math"},
+            overrides=["replay_buffer.env_token_fractions={guess = 0.5}"],
+        )
+    with pytest.raises(ConfigError, match="together at most 1"):
+        resolve_config(
+            registry,
+            selections={"env": "math"},
+            overrides=["replay_buffer.env_token_fractions={math = 1.5}"],
+        )

@@ -200,6 +200,7 @@ def test_recency_weighting_prefers_newer_groups():
 
 def test_groups_without_a_gradient_only_fill_what_informative_groups_leave():
     """Dynamic sampling: a group whose rewards are all equal has all-zero advantages."""
+
     def mixed(seed, weight):
         buffer = make_buffer(seed=seed, uninformative_group_weight=weight)
         informative = [group(rollout(f"i{k}", 1.0), rollout(f"i{k}", 0.0)) for k in range(3)]
@@ -364,3 +365,58 @@ def test_a_restored_buffer_samples_exactly_as_the_saved_one_would():
 
     with pytest.raises(ValueError, match="lists 1 rollouts"):
         make_buffer().load_state_dict(data, {**state, "advantages": [0.0]})
+
+
+# --- batching by env -------------------------------------------------------------------------
+
+
+def _env_groups(env: str, count: int, *, size: int = 4, n_response: int = 3) -> list[RolloutGroup]:
+    return [
+        group(
+            *(
+                rollout(f"{env}{g}", float(i % 2), env=env, n_response=n_response)
+                for i in range(size)
+            )
+        )
+        for g in range(count)
+    ]
+
+
+def test_batches_follow_each_envs_token_share():
+    # "short" rollouts have 5 tokens, "long" ones 20: by rollouts the buffer is even, by tokens
+    # mostly "long". Asked for 70% short tokens, a batch takes far more short rollouts.
+    buffer = make_buffer(env_token_fractions={"short": 0.7, "long": 0.3})
+    buffer.add_batches(
+        [batch(*_env_groups("short", 12, n_response=3), *_env_groups("long", 12, n_response=18))],
+        current_step=0,
+    )
+    rollouts, _ = buffer.sample(32)
+    tokens = Counter()
+    for r in rollouts:
+        tokens[r.env_name] += r.num_tokens
+    share = tokens["short"] / (tokens["short"] + tokens["long"])
+    assert 0.6 <= share <= 0.8, tokens
+    metrics = buffer.metrics()
+    assert metrics["short/frac_sampled_tokens"] == pytest.approx(share)
+    assert metrics["short/sampled_tokens"] == tokens["short"]
+
+    # Unnamed envs share what the named ones leave; with one env waiting, it fills the batch.
+    alone = make_buffer(env_token_fractions={"short": 0.7})
+    alone.add_batches([batch(*_env_groups("long", 8))], current_step=0)
+    assert {r.env_name for r in alone.sample(16)[0]} == {"long"}
+
+
+def test_groups_below_the_minimum_size_are_not_sampled():
+    buffer = make_buffer(min_group_size=3)
+    buffer.add_batches(
+        [
+            batch(
+                *_env_groups("math", 2, size=4), group(rollout("small", 1.0), rollout("small", 0.0))
+            )
+        ],
+        current_step=0,
+    )
+    assert len(buffer) == 10
+    rollouts, _ = buffer.sample(8)
+    assert "small" not in {r.problem_id for r in rollouts}
+    assert buffer.sample(2) is None  # only the 2-rollout group is left

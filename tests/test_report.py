@@ -42,3 +42,37 @@ def test_the_summary_says_where_the_time_went_and_which_side_holds_the_job_back(
     assert "trainer per step: waiting for rollouts 0.300 s (75%), training 0.100 s (25%)" in text
     assert "rollout worker per batch: generating 0.200 s (80%), scoring 0.050 s (20%)" in text
     assert "bottleneck: the rollout side: the trainer waits for rollouts 75% of the time" in text
+
+
+def test_the_summary_shows_episodes_of_multi_turn_lessons_and_env_failures(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from marin_rl_core.report import render_summary, summarize
+
+    def rollout_row(lesson, reward, turns, step_s, timeouts=0, errors=0):
+        return {
+            "source": "rollout", "step": 1, "time": 1.0, "rollout/lesson": lesson,
+            "rollout/reward": reward, "rollout/turns": turns, "rollout/env_step_seconds": step_s,
+            "rollout/env_timeouts": timeouts, "rollout/env_errors": errors,
+        }  # fmt: skip
+
+    rows = [
+        rollout_row("guess", 0.5, 3.0, 0.01),
+        rollout_row("guess", 0.7, 2.0, 0.03, timeouts=2),
+        rollout_row("add", 0.9, 1.0, 0.001),  # single-turn, nothing failed: no line
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    episodes = summarize(tmp_path)["episodes"]
+    assert episodes["guess"] == pytest.approx(
+        {"success": 0.6, "turns": 2.5, "env_step_seconds": 0.02, "env_timeouts": 2, "env_errors": 0}
+    )
+    console = Console(width=200, record=True)
+    console.print(render_summary(summarize(tmp_path)))
+    text = console.export_text()
+    assert (
+        "episodes of guess: train success 0.600, 2.50 turns, env step 0.0200 s, 2 env timeouts, "
+        "0 env errors" in text
+    )
+    assert "episodes of add" not in text
