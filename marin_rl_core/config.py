@@ -155,6 +155,10 @@ class TrainerConfig:
             checkpoint, ``f32`` for the default model), ``"f32"``, ``"bf16"`` (float32
             parameters and optimizer state, bfloat16 compute), ``"bf16-params"`` (bfloat16
             everywhere) or any ``jmp`` policy string.
+        pack_rollouts: pack several rollouts into one row of ``model.max_seq_len`` tokens where
+            they fit (segment ids keep them apart), so short rollouts waste fewer padded
+            positions; the batch then has as many rows as packing needs, rounded up to an
+            eighth of ``batch_size`` (``bench/packing.py`` prints the padding saved).
         microbatch_size: rollouts per forward/backward pass; the gradients of
             ``batch_size / microbatch_size`` micro-batches are accumulated into one step, so a
             batch need not fit in device memory at once. 0: the whole batch at once. The loss is
@@ -176,6 +180,7 @@ class TrainerConfig:
     sync_interval_steps: int = 1
     checkpoint_interval_steps: int = 250
     precision: str = attrs.field(default="auto", validator=_check_precision)
+    pack_rollouts: bool = False
     microbatch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     mesh: MeshConfig = MeshConfig()
 

@@ -412,7 +412,9 @@ class EpisodeRunner:
             """Apply a sampled action, step the env, and queue the episode for its next one."""
             try:
                 action = self._take_action(live, sample, stop_set)
-                if live.episode is None:
+                if live.episode is None and single_turn:
+                    live.episode = env.reset(live.problem)  # builds a one-step wrapper: instant
+                elif live.episode is None:
                     live.episode = await self._env_call(
                         live, env.reset, live.problem, limits=limits, step=False
                     )
@@ -447,6 +449,7 @@ class EpisodeRunner:
             running.add(task)
             task.add_done_callback(running.discard)
 
+        single_turn = isinstance(env, SingleTurnEpisodes)
         cohorts = 1 if getattr(env, "single_turn", False) else limits.generation_cohorts
         largest = max(1, -(-len(lives) // cohorts))
         if cohorts == 1:

@@ -345,6 +345,8 @@ def next_token_logprobs_and_entropy(
     temperature: float | NamedArray = 1.0,
     key: jax.Array | None = None,
     block_tokens: int | None = None,
+    segment_ids: NamedArray | None = None,
+    position_ids: NamedArray | None = None,
 ) -> tuple[NamedArray, NamedArray]:
     """Per-position logprob of the next token and entropy of the next-token distribution.
 
@@ -361,13 +363,21 @@ def next_token_logprobs_and_entropy(
             scalar or a named array over the batch axes of ``input_ids``.
         key: dropout key (unused by Llama).
         block_tokens: positions (over the whole batch) per block of logits.
+        segment_ids: int ``[..., position]`` for packed rows: a position attends only to
+            earlier positions of its own segment (see
+            :func:`marin_rl_core.training_batch.training_batch_from_rollouts`).
+        position_ids: int ``[..., position]``, each token's position within its segment (the
+            rotary embedding's position); ``None`` counts from the start of the row.
 
     Returns:
         ``(logprobs, entropy)``, both float32 ``[..., position]``: ``logprobs[t] = log p(x[t+1] |
         x[..t])`` and ``entropy[t]`` the entropy of ``p(. | x[..t])``; the last position is 0.
     """
     pos = input_ids.resolve_axis(POS)
-    hidden = model.activations(input_ids, attn_mask=AttentionMask.causal(), key=key)
+    mask = AttentionMask.causal()
+    if segment_ids is not None:
+        mask = mask.with_segment_ids(segment_ids)
+    hidden = model.activations(input_ids, attn_mask=mask, key=key, pos_ids=position_ids)
     hidden = hidden.rearrange((*input_ids.axes, model.Embed))
     lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
     if isinstance(temperature, NamedArray):
@@ -414,11 +424,19 @@ def next_token_logprobs(
     temperature: float | NamedArray = 1.0,
     key: jax.Array | None = None,
     block_tokens: int | None = None,
+    segment_ids: NamedArray | None = None,
+    position_ids: NamedArray | None = None,
 ) -> NamedArray:
     """``log p(x[t+1] | x[..t])`` at each position ``t`` (0 at the last); see
     :func:`next_token_logprobs_and_entropy`."""
     return next_token_logprobs_and_entropy(
-        model, input_ids, temperature=temperature, key=key, block_tokens=block_tokens
+        model,
+        input_ids,
+        temperature=temperature,
+        key=key,
+        block_tokens=block_tokens,
+        segment_ids=segment_ids,
+        position_ids=position_ids,
     )[0]
 
 

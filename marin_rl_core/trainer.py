@@ -615,6 +615,14 @@ class Trainer:
                 self.replay.add_batches(batches, current_step=self.step)
         return None
 
+    @property
+    def _row_multiple(self) -> int:
+        """Packed batches have a multiple of this many rows: an eighth of the batch (so at most
+        eight shapes compile), and whole micro-batches and data-parallel shards."""
+        t = self.config.trainer
+        unit = t.microbatch_size or self.learner.sizes["batch_shards"]
+        return math.lcm(max(1, t.batch_size // 8), unit)
+
     def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
         """One optimizer step on ``rollouts``; returns its metrics (host floats)."""
         from marin_rl_core.training_batch import training_batch_from_rollouts
@@ -628,6 +636,8 @@ class Trainer:
             self.tokenizer.pad_id,
             temperature=temperature,
             batch_size=self.config.trainer.batch_size,
+            pack=self.config.trainer.pack_rollouts,
+            row_multiple=self._row_multiple,
         )
         start = self._enter("in a training step")
         state, loss, out = self.learner.step(self.state, batch)

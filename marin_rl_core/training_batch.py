@@ -22,6 +22,7 @@ For a single-turn rollout with a prompt of length ``P`` and a response of length
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import equinox as eqx
@@ -99,8 +100,18 @@ class TrainingBatch(eqx.Module):
         advantages: float32, the rollout's advantage at masked positions, 0 elsewhere.
         behaviour_logprobs: float32, the sampling policy's logprob of the predicted token at
             masked positions, 0 elsewhere.
-        temperature: float32 ``[batch]``, the temperature the behaviour logprobs were sampled
-            at; losses divide the logits by it so the importance ratio compares like with like.
+        temperature: float32 ``[batch]`` (``[batch, position]`` when packed), the temperature
+            the behaviour logprobs were sampled at; losses divide the logits by it so the
+            importance ratio compares like with like.
+        segment_ids: ``None``, or for packed rows int32 ``[batch, position]``: which rollout of
+            the row each position holds (0, 1, ...; -1 for padding). Attention stays within a
+            segment.
+        position_ids: ``None``, or for packed rows int32 ``[batch, position]``: each token's
+            position within its rollout.
+
+    Losses pass ``segment_ids`` and ``position_ids`` on to
+    :func:`~marin_rl_core.model.next_token_logprobs_and_entropy` (``batch_logprobs_and_entropy``
+    does it for them).
     """
 
     input_ids: NamedArray
@@ -108,6 +119,8 @@ class TrainingBatch(eqx.Module):
     advantages: NamedArray
     behaviour_logprobs: NamedArray
     temperature: NamedArray
+    segment_ids: NamedArray | None = None
+    position_ids: NamedArray | None = None
 
     @property
     def Batch(self) -> Axis:
@@ -122,6 +135,32 @@ class TrainingBatch(eqx.Module):
         return hax.sum(self.loss_mask)
 
 
+def pack_rows(lengths: Sequence[int], max_seq_len: int) -> list[list[int]]:
+    """Which sequences share a row: first-fit decreasing of ``lengths`` (each at most
+    ``max_seq_len``) into rows of ``max_seq_len`` tokens. Returns each row's indices in
+    ascending order; rows in order of their first index."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = min(int(lengths[i]), max_seq_len)
+        for r, left in enumerate(room):
+            if length <= left:
+                rows[r].append(i)
+                room[r] -= length
+                break
+        else:
+            rows.append([i])
+            room.append(max_seq_len - length)
+    return sorted((sorted(row) for row in rows), key=lambda row: row[0])
+
+
+def padded_fraction(batch: TrainingBatch, rollouts: Sequence[Rollout]) -> float:
+    """The share of ``batch``'s positions (built from ``rollouts``) that hold no token."""
+    width = batch.Pos.size
+    tokens = sum(min(r.num_tokens, width) for r in rollouts)
+    return 1.0 - tokens / (batch.Batch.size * width)
+
+
 def training_batch_from_rollouts(
     rollouts: Sequence[Rollout],
     advantages: Sequence[float] | np.ndarray,
@@ -130,6 +169,8 @@ def training_batch_from_rollouts(
     *,
     temperature: float | Sequence[float] | np.ndarray = 1.0,
     batch_size: int | None = None,
+    pack: bool = False,
+    row_multiple: int = 1,
 ) -> TrainingBatch:
     """Build a :class:`TrainingBatch` from rollouts and one advantage per rollout.
 
@@ -140,20 +181,18 @@ def training_batch_from_rollouts(
         max_seq_len: the row length; longer rollouts lose their end.
         pad_id: the token id that fills the rest of a row (always masked out).
         temperature: the sampling temperature of the rollouts: one for all, or one per rollout
-            (a batch may mix lessons sampled at different temperatures). Padding rows get 1.
-        batch_size: pad the batch with empty rows (all-zero mask) up to this many, so that a
-            jitted step sees one shape; ``None`` uses ``len(rollouts)``.
+            (a batch may mix lessons sampled at different temperatures). Padding gets 1.
+        batch_size: without packing, pad the batch with empty rows (all-zero mask) up to this
+            many, so that a jitted step sees one shape; ``None`` uses ``len(rollouts)``.
+        pack: put several rollouts in one row where they fit (:func:`pack_rows`), with
+            ``segment_ids`` and ``position_ids`` that keep them apart, so short rollouts do not
+            waste padded positions.
+        row_multiple: with ``pack``, the number of rows is rounded up to a multiple of this
+            (fewer distinct shapes to compile; micro-batches and data-parallel shards divide it).
     """
     advantages = np.asarray(advantages, dtype=np.float32).reshape(-1)
     if advantages.shape[0] != len(rollouts):
         raise ValueError(f"{advantages.shape[0]} advantages for {len(rollouts)} rollouts")
-    n = len(rollouts) if batch_size is None else batch_size
-    if n < len(rollouts):
-        raise ValueError(f"batch_size={batch_size} is smaller than the {len(rollouts)} rollouts")
-    input_ids = np.full((n, max_seq_len), pad_id, dtype=np.int32)
-    loss_mask = np.zeros((n, max_seq_len), dtype=np.float32)
-    token_advantages = np.zeros((n, max_seq_len), dtype=np.float32)
-    behaviour = np.zeros((n, max_seq_len), dtype=np.float32)
     for i, rollout in enumerate(rollouts):
         if rollout.prompt_length >= max_seq_len:
             raise ValueError(
@@ -161,29 +200,96 @@ def training_batch_from_rollouts(
                 f"for a response in max_seq_len={max_seq_len}; raise model.max_seq_len or "
                 "shorten the prompts"
             )
-        length = min(rollout.num_tokens, max_seq_len)
-        input_ids[i, :length] = rollout.tokens[:length]
-        # Position t predicts token t + 1: shift the per-token arrays left by one.
-        mask = rollout.loss_mask[1:length].astype(np.float32)
-        loss_mask[i, : length - 1] = mask
-        token_advantages[i, : length - 1] = mask * advantages[i]
-        behaviour[i, : length - 1] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
-    temps = np.ones((n,), dtype=np.float32)
+    temps_of = np.ones(len(rollouts), dtype=np.float32)
     given = np.asarray(temperature, dtype=np.float32)
     if given.ndim == 0:
-        temps[:] = given
+        temps_of[:] = given
     elif given.shape != (len(rollouts),):
         raise ValueError(f"{given.shape[0]} temperatures for {len(rollouts)} rollouts")
     else:
-        temps[: len(rollouts)] = given
+        temps_of[:] = given
+    lengths = [min(r.num_tokens, max_seq_len) for r in rollouts]
+    if pack:
+        layout = pack_rows(lengths, max_seq_len)
+        n = max(1, -(-len(layout) // row_multiple)) * row_multiple
+    else:
+        n = len(rollouts) if batch_size is None else batch_size
+        if n < len(rollouts):
+            raise ValueError(
+                f"batch_size={batch_size} is smaller than the {len(rollouts)} rollouts"
+            )
+        layout = [[i] for i in range(len(rollouts))]
+    input_ids = np.full((n, max_seq_len), pad_id, dtype=np.int32)
+    loss_mask = np.zeros((n, max_seq_len), dtype=np.float32)
+    token_advantages = np.zeros((n, max_seq_len), dtype=np.float32)
+    behaviour = np.zeros((n, max_seq_len), dtype=np.float32)
+    segments = np.full((n, max_seq_len), -1, dtype=np.int32)
+    positions = np.zeros((n, max_seq_len), dtype=np.int32)
+    token_temps = np.ones((n, max_seq_len), dtype=np.float32)
+    for row, members in enumerate(layout):
+        start = 0
+        for segment, i in enumerate(members):
+            rollout, length = rollouts[i], lengths[i]
+            span = slice(start, start + length)
+            input_ids[row, span] = rollout.tokens[:length]
+            # Position t predicts token t + 1: shift the per-token arrays left by one. The last
+            # position of a segment predicts the next segment's first token: masked out.
+            predicting = slice(start, start + length - 1)
+            mask = rollout.loss_mask[1:length].astype(np.float32)
+            loss_mask[row, predicting] = mask
+            token_advantages[row, predicting] = mask * advantages[i]
+            behaviour[row, predicting] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
+            segments[row, span] = segment
+            positions[row, span] = np.arange(length)
+            token_temps[row, span] = temps_of[i]
+            start += length
     axes = (Axis(BATCH, n), Axis(POS, max_seq_len))
+
+    def named(array: np.ndarray, names: tuple[Axis, ...] = axes) -> NamedArray:
+        return hax.named(jnp.asarray(array), names)
+
+    if pack:
+        temps = named(token_temps)
+        segment_ids, position_ids = named(segments), named(positions)
+    else:
+        row_temps = np.ones((n,), dtype=np.float32)
+        row_temps[: len(rollouts)] = temps_of
+        temps = named(row_temps, axes[:1])
+        segment_ids = position_ids = None
     return TrainingBatch(
-        input_ids=hax.named(jnp.asarray(input_ids), axes),
-        loss_mask=hax.named(jnp.asarray(loss_mask), axes),
-        advantages=hax.named(jnp.asarray(token_advantages), axes),
-        behaviour_logprobs=hax.named(jnp.asarray(behaviour), axes),
-        temperature=hax.named(jnp.asarray(temps), axes[0]),
+        input_ids=named(input_ids),
+        loss_mask=named(loss_mask),
+        advantages=named(token_advantages),
+        behaviour_logprobs=named(behaviour),
+        temperature=temps,
+        segment_ids=segment_ids,
+        position_ids=position_ids,
     )
 
 
-__all__ = ["PackedSequences", "TrainingBatch", "pack_sequences", "training_batch_from_rollouts"]
+def batch_logprobs_and_entropy(
+    model: Any, batch: TrainingBatch, *, key: Any = None
+) -> tuple[NamedArray, NamedArray]:
+    """:func:`~marin_rl_core.model.next_token_logprobs_and_entropy` of ``batch`` at its
+    temperature, packed rows kept apart: what a loss plugin calls."""
+    from marin_rl_core.model import next_token_logprobs_and_entropy
+
+    return next_token_logprobs_and_entropy(
+        model,
+        batch.input_ids,
+        temperature=batch.temperature,
+        key=key,
+        segment_ids=batch.segment_ids,
+        position_ids=batch.position_ids,
+    )
+
+
+__all__ = [
+    "PackedSequences",
+    "TrainingBatch",
+    "batch_logprobs_and_entropy",
+    "pack_rows",
+    "pack_sequences",
+    "padded_fraction",
+    "training_batch_from_rollouts",
+]

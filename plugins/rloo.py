@@ -105,7 +105,7 @@ class RLOOLoss:
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.model import next_token_logprobs, next_token_logprobs_and_entropy
+        from marin_rl_core.training_batch import batch_logprobs_and_entropy
 
         if self.needs_reference_model and reference_model is None:
             raise ValueError("rloo with kl_coef > 0 needs the reference model; got None")
@@ -113,9 +113,8 @@ class RLOOLoss:
         clip_epsilon = self.config.clip_epsilon
 
         def loss_fn(model: Any, batch: Any, *, key: Any = None) -> tuple[Any, dict[str, Any]]:
-            logprobs, entropy = next_token_logprobs_and_entropy(
-                model, batch.input_ids, temperature=batch.temperature, key=key
-            )
+            # Packed rows (several rollouts per row) are kept apart by the batch's segment ids.
+            logprobs, entropy = batch_logprobs_and_entropy(model, batch, key=key)
             mask = batch.loss_mask.array
             num_tokens = jnp.maximum(jnp.sum(mask), 1.0)
             loss, metrics = clipped_objective_loss(
@@ -129,9 +128,7 @@ class RLOOLoss:
             metrics["entropy"] = jnp.sum(entropy.array * mask) / num_tokens
             metrics["behaviour_neg_logprob"] = -jnp.sum(batch.behaviour_logprobs.array * mask) / num_tokens
             if kl_coef > 0:
-                ref = next_token_logprobs(
-                    reference_model, batch.input_ids, temperature=batch.temperature
-                ).array
+                ref = batch_logprobs_and_entropy(reference_model, batch)[0].array
                 ref = jax.lax.stop_gradient(ref)
                 log_ratio = ref - logprobs.array
                 kl = jnp.sum((jnp.exp(log_ratio) - log_ratio - 1.0) * mask) / num_tokens

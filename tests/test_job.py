@@ -127,3 +127,32 @@ def test_report_draws_the_reward_curve(first_run, cli):
     png = result.run_dir / "reward_curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "mock" in out.output
+
+
+def test_a_multi_turn_job_trains_on_packed_rows_and_logs_its_turns(ray_session, tmp_path):
+    """The guess game through the whole job, with several rollouts per training row."""
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "guess"},
+        overrides=[
+            *SMALL,
+            f'run_dir="{tmp_path}"',
+            'run_id="game"',
+            "trainer.num_train_steps=3",
+            "trainer.pack_rollouts=true",
+            "replay_buffer.max_rollout_step_delay=1",
+        ],
+    )
+    result = RLJob(config, registry).run(progress=False)
+    assert result.final_step == 3
+    rows = read_metrics(tmp_path / "game")
+    train = [r for r in rows if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["loss"] == r["loss"] for r in train)  # finite, not NaN
+    batches = [r for r in rows if r["source"] == "rollout" and "rollout/turns" in r]
+    assert batches and all(r["rollout/turns"] > 1 for r in batches)  # few first guesses win
+    samples = [json.loads(line) for line in (tmp_path / "game" / "samples.jsonl").open()]
+    turns = [t for s in samples for t in s["turns"]]
+    assert {t["observation"] for t in turns} <= {"<", ">", "?", ""}
+    assert any(t["observation"] in "<>?" and t["observation"] for t in turns)
