@@ -393,10 +393,14 @@ class EpisodeRunner:
                 live.result.failure = failure
                 live.result.rollouts = []
             else:
-                self._close_part(live, env_name=env_name, lesson_id=lesson_id)
-                reward = episode_reward(live.result)
+                # The last part is built with the episode's reward; earlier parts (an episode
+                # a chat template split) get it now that it is known.
+                reward = episode_reward(live.result) + float(sum(live.turn_rewards))
+                self._close_part(live, env_name=env_name, lesson_id=lesson_id, reward=reward)
                 live.result.rollouts = [
-                    attrs.evolve(r, reward=reward, truncated=live.truncated)
+                    r
+                    if (r.reward, r.truncated) == (reward, live.truncated)
+                    else attrs.evolve(r, reward=reward, truncated=live.truncated)
                     for r in live.result.rollouts
                 ]
             close = getattr(env, "close", None)
@@ -536,8 +540,11 @@ class EpisodeRunner:
         live.mask.extend([False] * len(new))
         live.logprobs.extend([0.0] * len(new))
 
-    def _close_part(self, live: _Live, *, env_name: str, lesson_id: str) -> None:
-        """Turn what the episode has gathered since its last part into a :class:`Rollout`."""
+    def _close_part(
+        self, live: _Live, *, env_name: str, lesson_id: str, reward: float = 0.0
+    ) -> None:
+        """Turn what the episode has gathered since its last part into a :class:`Rollout`
+        (``reward``: the episode's, when this is its last part; earlier parts get it later)."""
         if not live.turn_starts:
             return
         rollout = Rollout(
@@ -547,7 +554,7 @@ class EpisodeRunner:
             tokens=live.tokens,
             loss_mask=live.mask,
             logprobs=live.logprobs,
-            reward=0.0,  # the episode reward, set on every part once the episode is over
+            reward=reward,
             turn_starts=live.turn_starts,
             turn_rewards=live.turn_rewards[: len(live.turn_starts)],
             part=len(live.result.rollouts),

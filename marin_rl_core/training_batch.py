@@ -239,9 +239,10 @@ def training_batch_from_rollouts(
             loss_mask[row, predicting] = mask
             token_advantages[row, predicting] = mask * advantages[i]
             behaviour[row, predicting] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
-            segments[row, span] = segment
-            positions[row, span] = np.arange(length)
-            token_temps[row, span] = temps_of[i]
+            if pack:  # one rollout per row needs neither: its row is its segment
+                segments[row, span] = segment
+                positions[row, span] = np.arange(length)
+                token_temps[row, span] = temps_of[i]
             start += length
     axes = (Axis(BATCH, n), Axis(POS, max_seq_len))
 
