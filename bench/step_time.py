@@ -69,7 +69,8 @@ def main() -> None:
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     registry = build_registry()
-    config = resolve_config(registry, overrides=args.overrides)
+    # The rollout figure compares marinrl's wrapper of levanter's engine with a bare engine loop.
+    config = resolve_config(registry, overrides=['model.inference_engine="paged"', *args.overrides])
     tokenizer = model_tokenizer(config.model)
     model = initial_model(config, tokenizer)
     lesson = config.curriculum.lessons[0]

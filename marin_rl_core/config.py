@@ -54,6 +54,12 @@ class ModelConfig:
         inference_dtype: the rollout workers' inference engine dtype: ``"auto"`` (``bfloat16``
             for a Hugging Face checkpoint, ``float32`` for the default model), ``"float32"`` or
             ``"bfloat16"``. Behaviour log-probabilities come from this engine.
+        inference_engine: how rollout workers sample: ``"paged"`` (levanter's paged-attention
+            ``InferenceEngine``: a KV cache, for long generations), ``"dense"`` (one jitted
+            forward pass over the whole padded batch per new token: for short answers from short
+            sequences, where it is several times faster) or ``"auto"``: dense when the longest
+            ``max_tokens`` of any lesson times ``max_seq_len`` is at most 4096, else paged. Both
+            report logprobs equal to the trainer's.
         inference_tensor_parallel: how many of a rollout worker's devices its inference engine
             splits the model's attention heads and MLP over (tensor parallelism); 1 keeps the
             model on one device. Must divide the worker's device count (``resources.rollout``).
@@ -72,6 +78,7 @@ class ModelConfig:
     inference_dtype: str = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16")
     )
+    inference_engine: str = attrs.field(default="auto", validator=one_of("auto", "paged", "dense"))
     inference_tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
     @property
@@ -159,6 +166,10 @@ class TrainerConfig:
             they fit (segment ids keep them apart), so short rollouts waste fewer padded
             positions; the batch then has as many rows as packing needs, rounded up to an
             eighth of ``batch_size`` (``bench/packing.py`` prints the padding saved).
+        trim_rows: pad a batch's rows only to its longest row, rounded up to a power of two
+            (at least 8, at most ``model.max_seq_len``), not to ``model.max_seq_len``: short
+            rollouts cost what their tokens cost, and at most a handful of shapes compile.
+            Off: every row has ``model.max_seq_len`` positions (one shape).
         microbatch_size: rollouts per forward/backward pass; the gradients of
             ``batch_size / microbatch_size`` micro-batches are accumulated into one step, so a
             batch need not fit in device memory at once. 0: the whole batch at once. The loss is
@@ -181,6 +192,7 @@ class TrainerConfig:
     checkpoint_interval_steps: int = 250
     precision: str = attrs.field(default="auto", validator=_check_precision)
     pack_rollouts: bool = False
+    trim_rows: bool = True
     microbatch_size: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     mesh: MeshConfig = MeshConfig()
 
@@ -212,6 +224,13 @@ class ReplayBufferConfig:
             sampling, as in DAPO). 1 treats all groups alike.
         min_group_size: a group with fewer rollouts left (after staleness and reuse) is not
             sampled; group-relative advantages from one or two samples are noise.
+        max_generated_per_trained: paces the rollout workers: together they generate at most
+            this many rollouts per rollout a training step uses, and may run at most
+            ``max_rollout_step_delay`` steps ahead of the newest weights they have (further
+            ahead, what they made would be stale on arrival); a worker that is that far ahead
+            waits for newer weights (``rollout/paced_seconds``). A worker slower than the
+            trainer never waits. 0: no pacing (workers generate as fast as they can; the
+            surplus is dropped as stale or feeds dynamic sampling).
         env_token_fractions: each env's share of a training batch's tokens, when rollouts of
             several envs wait (``{math = 0.7, guess = 0.3}``); envs not named share what is
             left. Batches are filled round robin by token deficit: the env furthest below its
@@ -226,6 +245,7 @@ class ReplayBufferConfig:
     max_samples_per_rollout: int = 1
     uninformative_group_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     min_group_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    max_generated_per_trained: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
     env_token_fractions: Mapping[str, float] = attrs.field(factory=dict)
 
 
@@ -446,6 +466,12 @@ class RLJobConfig:
         num_rollout_workers: rollout worker actors.
         ray_address: a running Ray cluster to use; empty starts a local one.
         sampling: default sampling for training rollouts (lessons may override).
+        compilation_cache: where the trainer and rollout workers keep JAX's persistent
+            compilation cache, so that a second run starts without compiling again: a directory,
+            ``"auto"`` (``$JAX_COMPILATION_CACHE_DIR`` if set, else
+            ``$XDG_CACHE_HOME/marinrl/jax``, by default ``~/.cache/marinrl/jax``) or ``""``
+            (off). Functions with host callbacks (levanter's paged inference engine) are not
+            cached; everything else is.
     """
 
     run_id: str = ""
@@ -453,6 +479,7 @@ class RLJobConfig:
     seed: int = 0
     num_rollout_workers: int = 1
     ray_address: str = ""
+    compilation_cache: str = "auto"
     model: ModelConfig = ModelConfig()
     resources: ResourcesConfig = ResourcesConfig()
     trainer: TrainerConfig = TrainerConfig()

@@ -460,6 +460,14 @@ class EpisodeRunner:
             # Turn 0: every episode's first action in one call, n per prompt, the batch's seed
             # (a single-turn env's batch is sampled exactly as one generate call would).
             first = await generate(lives, prompts=list(prompts), n=n, seed=seed) if lives else []
+            if single_turn:
+                # One step each, all scored in one call on the env thread: no task and no
+                # thread round trip per episode.
+                await self._score_single_turn(env, lives, first, n, stop_set, limits, finish)
+                return (
+                    [[lives[i * n + k].result for k in range(n)] for i in range(len(problems))],
+                    timing,
+                )
             for i in range(len(problems)):
                 for k in range(n):
                     spawn(act(lives[i * n + k], first[i][k]))
@@ -493,6 +501,116 @@ class EpisodeRunner:
             for live, sample in zip(batch, samples):
                 spawn(act(live, sample[0]))
         return [[lives[i * n + k].result for k in range(n)] for i in range(len(problems))], timing
+
+    async def _score_single_turn(
+        self,
+        env: SingleTurnEpisodes,
+        lives: list[_Live],
+        samples: list[list[Any]],
+        n: int,
+        stop_set: set[int],
+        limits: EpisodesConfig,
+        finish: Callable[..., None],
+    ) -> None:
+        """Score a single-turn batch: every ``env.score`` call in one job on the env thread, in
+        order. Each call is still bounded by ``step_timeout_s`` (and the episode deadline): a
+        call past it fails its episode, the env thread stuck in it is left behind, and the
+        calls after it go on on a new thread."""
+        actions: list[Action | None] = []
+        for live in lives:
+            sample = samples[live.index // n][live.index % n]
+            try:
+                actions.append(self._take_action(live, sample, stop_set))
+            except EpisodeFailure as failure:
+                finish(live, failure)
+                actions.append(None)
+        outcomes: list[Any] = [None] * len(lives)
+        spent = [0.0] * len(lives)
+        current = [(-1, 0.0)]  # the call in progress: (its index, when it started)
+        abandoned: set[int] = set()  # first indices of jobs whose thread was left behind
+
+        def work(first: int) -> None:
+            for j in range(first, len(lives)):
+                if first in abandoned:
+                    return
+                action = actions[j]
+                if action is None:
+                    continue
+                current[0] = (j, time.monotonic())
+                start = time.perf_counter()
+                try:
+                    outcome: Any = env.env.score(lives[j].problem, action.text)
+                except Exception as exc:  # noqa: BLE001 - fails this episode only
+                    outcome = EpisodeFailure("error", f"{type(exc).__name__}: {exc}")
+                if first in abandoned:  # this call overran and was already failed
+                    return
+                outcomes[j], spent[j] = outcome, time.perf_counter() - start
+            current[0] = (len(lives), 0.0)
+
+        step_timeout = limits.step_timeout_s or float("inf")
+        first = 0
+        while first < len(lives):
+            job = asyncio.wrap_future(self._env_thread.submit(work, first))
+            while not job.done():
+                index, since = current[0]
+                if index >= len(lives):  # the job is over; its future is about to say so
+                    await job
+                    continue
+                if index < first:  # the job has not started its first call yet: look again soon
+                    limit = min(lives[first].deadline - time.monotonic(), 0.01)
+                else:
+                    limit = min(
+                        since + step_timeout - time.monotonic(),
+                        lives[index].deadline - time.monotonic(),
+                    )
+                if limit == float("inf"):
+                    limit = None
+                done, _ = await asyncio.wait(
+                    {job}, timeout=None if limit is None else max(limit, 0)
+                )
+                if done or current[0][0] != index:
+                    continue  # finished, or moved on to the next call: re-arm the timer
+                if index < first:
+                    if time.monotonic() < lives[first].deadline:
+                        continue
+                    # The whole batch passed its deadline while queued.
+                    abandoned.add(first)
+                    for j in range(first, len(lives)):
+                        outcomes[j] = EpisodeFailure("timeout", "episode timed out")
+                    first = len(lives)
+                    break
+                # Call ``index`` overran: it fails, its thread is left behind, the rest go on.
+                abandoned.add(first)
+                self.hung_threads += 1
+                stuck = self._env_thread
+                self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
+                stuck.hand_over(self._env_thread)
+                spent[index] = time.monotonic() - since
+                outcomes[index] = EpisodeFailure(
+                    "timeout", f"score did not return within {limits.step_timeout_s:.1f} s"
+                )
+                first = index + 1
+                break
+            else:
+                first = len(lives)
+        for j, live in enumerate(lives):
+            if actions[j] is None:
+                continue
+            live.result.env_seconds += spent[j]
+            live.result.env_step_seconds += spent[j]
+            live.result.env_calls += 1
+            outcome = outcomes[j]
+            if isinstance(outcome, EpisodeFailure):
+                finish(live, outcome)
+                continue
+            try:
+                score = as_score(outcome)
+            except Exception as exc:  # noqa: BLE001 - a score of the wrong type
+                finish(live, EpisodeFailure("error", f"{type(exc).__name__}: {exc}"))
+                continue
+            live.turn_rewards.append(score.reward)
+            live.result.metrics = dict(score.metrics)
+            finish(live)
 
     def _take_action(self, live: _Live, sample: Any, stop_set: set[int]) -> Action:
         tokens = [int(t) for t in sample.tokens]

@@ -33,15 +33,17 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
 from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Request
 from levanter.inference.jit_scheduler import SeqDecodingParams
+from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl_core.model import cast_floating
+from marin_rl_core.model import BATCH, POS, cast_floating
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,49 @@ class Sample:
     tokens: np.ndarray
     logprobs: np.ndarray
     stopped: bool
+
+
+def _check_same_shapes(old: LmHeadModel, new: LmHeadModel) -> None:
+    same_structure = jax.tree.structure(old) == jax.tree.structure(new)  # type: ignore[operator]
+    if not same_structure or any(
+        a.shape != b.shape or a.dtype != b.dtype
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new))
+    ):
+        raise ValueError(
+            "update_model needs a model with the same architecture and parameter shapes as "
+            "the one the engine was built for; build a new sampler for a different one."
+        )
+
+
+def _check_request(
+    prompts: Sequence[Sequence[int]],
+    n: int,
+    stop_tokens: Sequence[int],
+    prompt_seeds: Sequence[int] | None,
+    *,
+    eos_id: int,
+    max_seqs: int,
+    max_stop_tokens: int,
+    max_seq_len: int,
+) -> list[int]:
+    """Reject a request a sampler cannot serve, naming the limit; returns the stop tokens."""
+    if n < 1 or n > max_seqs:
+        raise ValueError(f"n must be in 1..{max_seqs} (max_seqs), got {n}")
+    stops = list(dict.fromkeys([eos_id, *map(int, stop_tokens)]))
+    if len(stops) > max_stop_tokens:
+        raise ValueError(
+            f"{len(stops)} stop tokens (EOS included) but the engine was built for at most "
+            f"{max_stop_tokens}; pass max_stop_tokens= when building it"
+        )
+    for i, prompt in enumerate(prompts):
+        if not 0 < len(prompt) < max_seq_len:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} tokens; prompts need 1..{max_seq_len - 1} "
+                f"tokens (max_seq_len={max_seq_len})"
+            )
+    if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
+        raise ValueError(f"{len(prompt_seeds)} prompt_seeds for {len(prompts)} prompts")
+    return stops
 
 
 class SamplingEngine:
@@ -154,15 +199,7 @@ class SamplingEngine:
         floating-point parameters are cast to the engine's ``compute_dtype`` and sharded over its
         mesh."""
         model = self._place(model)
-        same_structure = jax.tree.structure(self._model) == jax.tree.structure(model)  # type: ignore[operator]
-        if not same_structure or any(
-            a.shape != b.shape or a.dtype != b.dtype
-            for a, b in zip(jax.tree.leaves(self._model), jax.tree.leaves(model))
-        ):
-            raise ValueError(
-                "update_model needs a model with the same architecture and parameter shapes as "
-                "the one the engine was built for; build a new SamplingEngine for a different one."
-            )
+        _check_same_shapes(self._model, model)
         self._model = model
         self._engine.model = model
 
@@ -193,26 +230,15 @@ class SamplingEngine:
         Returns:
             ``result[i][k]`` is the ``k``-th sample for ``prompts[i]``.
         """
-        if n < 1 or n > self._config.max_seqs:
-            raise ValueError(f"n must be in 1..{self._config.max_seqs} (max_seqs), got {n}")
-        stops = list(dict.fromkeys([self.eos_id, *map(int, stop_tokens)]))
-        if len(stops) > self.max_stop_tokens:
-            raise ValueError(
-                f"{len(stops)} stop tokens (EOS included) but the engine was built for at most "
-                f"{self.max_stop_tokens}; pass max_stop_tokens= when building it"
-            )
-        for i, prompt in enumerate(prompts):
-            if not 0 < len(prompt) < self.max_seq_len:
-                raise ValueError(
-                    f"prompt {i} has {len(prompt)} tokens; prompts need 1..{self.max_seq_len - 1} "
-                    f"tokens (max_seq_len={self.max_seq_len})"
-                )
+        stops = _check_request(
+            prompts, n, stop_tokens, prompt_seeds,
+            eos_id=self.eos_id, max_seqs=self._config.max_seqs,
+            max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
+        )  # fmt: skip
         stop_array = hax.named(
             jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position")
         )
         base_key = jax.random.PRNGKey(seed)
-        if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
-            raise ValueError(f"{len(prompt_seeds)} prompt_seeds for {len(prompts)} prompts")
 
         results: list[list[Sample]] = []
         for chunk_start, chunk in self._chunks(prompts, n):
@@ -284,6 +310,241 @@ class SamplingEngine:
         self._engine = self._new_engine()
 
 
+DENSE_MAX_WORK = 4096
+"""``model.inference_engine = "auto"`` picks the :class:`DenseSampler` when the longest response
+(``max_tokens``) times ``model.max_seq_len`` is at most this: short answers from short sequences,
+where the paged engine's per-sequence host work costs more than recomputing the sequence."""
+
+
+def choose_engine(kind: str, *, max_tokens: int, max_seq_len: int) -> str:
+    """``"paged"`` or ``"dense"``: ``kind`` itself unless it is ``"auto"`` (see
+    :data:`DENSE_MAX_WORK`)."""
+    if kind != "auto":
+        return kind
+    return "dense" if max_tokens * max_seq_len <= DENSE_MAX_WORK else "paged"
+
+
+def _bucket(n: int, *, multiple: int, cap: int | None = None) -> int:
+    """``n`` rounded up to a power of two below ``multiple``, else to a multiple of it: few
+    distinct shapes, so few compilations."""
+    if n <= multiple:
+        size = 1
+        while size < n:
+            size *= 2
+    else:
+        size = -(-n // multiple) * multiple
+    return size if cap is None else min(size, cap)
+
+
+def _pad(values: np.ndarray, size: int, fill: int) -> jax.Array:
+    out = np.full(size, fill, dtype=values.dtype)
+    out[: values.size] = values
+    return jnp.asarray(out)
+
+
+@eqx.filter_jit
+def _dense_sample(
+    model: LmHeadModel,
+    tokens: jax.Array,
+    prompt_len: jax.Array,
+    budget: jax.Array,
+    seeds: jax.Array,
+    fold: jax.Array,
+    sample: jax.Array,
+    temperature: jax.Array,
+    stops: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sample responses for right-padded prompts with one full forward pass per token.
+
+    ``tokens [B, T]`` holds each prompt at ``0..prompt_len-1``; row ``b`` gets up to
+    ``budget[b]`` tokens, drawn with ``fold_in(key_b, step)`` where ``key_b`` is
+    ``PRNGKey(seeds[b])``, folded with ``fold[b]`` (unless negative) and then ``sample[b]``; a
+    row ends at a stop token. Returns ``(tokens, logprobs, lengths)``: the rows with their
+    responses written in (nothing after a row's end), each response token's logprob at the
+    token's position, and each response's length. The logits come from the same forward pass and the
+    same float32 projection as the trainer's :func:`~marin_rl_core.model.next_token_logprobs`,
+    so the logprobs agree with it.
+    """
+    rows, width = tokens.shape
+    lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
+
+    def row_key(seed, fold, sample):  # type: ignore[no-untyped-def]
+        key = jax.random.PRNGKey(seed)
+        key = jnp.where(fold >= 0, jax.random.fold_in(key, fold), key)
+        return jax.random.fold_in(key, sample)
+
+    keys = jax.vmap(row_key)(seeds, fold, sample)
+    greedy = temperature <= 0
+    safe_t = jnp.where(greedy, 1.0, temperature)
+    row_index = jnp.arange(rows)
+
+    def body(carry):  # type: ignore[no-untyped-def]
+        step, tokens, logprobs, done, lengths = carry
+        ids = hax.named(tokens, (BATCH, POS))
+        hidden = model.activations(ids, attn_mask=AttentionMask.causal())
+        hidden = hidden.rearrange((BATCH, POS, model.Embed)).array
+        at = jnp.clip(prompt_len + step - 1, 0, width - 1)
+        logits = jnp.dot(hidden[row_index, at], lm_head, preferred_element_type=jnp.float32)
+        logits = logits.astype(jnp.float32) / safe_t
+        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+        drawn = jax.vmap(jax.random.categorical)(step_keys, logits)
+        new = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(tokens.dtype)
+        logprob = jnp.take_along_axis(logits, new[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(
+            logits, axis=-1
+        )
+        live = ~done
+        pos = jnp.clip(prompt_len + step, 0, width - 1)
+        tokens = tokens.at[row_index, pos].set(jnp.where(live, new, tokens[row_index, pos]))
+        logprobs = logprobs.at[row_index, pos].set(jnp.where(live, logprob, 0.0))
+        stopped = jnp.any(new[:, None] == stops[None, :], axis=-1)
+        done = done | (live & (stopped | (step + 1 >= budget)))
+        return step + 1, tokens, logprobs, done, lengths + live
+
+    def cond(carry):  # type: ignore[no-untyped-def]
+        return ~jnp.all(carry[3])
+
+    done = budget <= 0
+    logprobs = jnp.zeros(tokens.shape, jnp.float32)
+    lengths = jnp.zeros(budget.shape, jnp.int32)
+    init = (jnp.zeros((), jnp.int32), tokens, logprobs, done, lengths)
+    _, tokens, logprobs, _, lengths = jax.lax.while_loop(cond, body, init)
+    return tokens, logprobs, lengths
+
+
+class DenseSampler:
+    """Samples short responses with plain jitted forward passes: the prompts are right-padded
+    into one ``[rows, positions]`` array and each new token costs one forward pass over it (no
+    KV cache). For short generations from small models this is several times faster than the
+    paged :class:`SamplingEngine`, whose host-side work per sequence dominates there; for long
+    generations it is the slower one (``model.inference_engine``, :func:`choose_engine`).
+
+    Same interface and guarantees as :class:`SamplingEngine`: ``result[i][k]`` is the ``k``-th
+    sample of prompt ``i``; the seed (or ``prompt_seeds``) fixes the samples; logprobs are of the
+    tempered distribution and equal the trainer's (``tests/test_inference.py`` runs the same
+    tests on both). Its compiled function has no host callbacks, so JAX's persistent
+    compilation cache keeps it across runs.
+
+    Args:
+        model, max_seq_len, eos_id, max_seqs, max_stop_tokens, compute_dtype, mesh,
+            axis_mapping: as for :class:`SamplingEngine`; ``max_seqs`` rows are sampled per
+            forward pass (more are split into chunks).
+    """
+
+    def __init__(
+        self,
+        model: LmHeadModel,
+        *,
+        max_seq_len: int,
+        eos_id: int,
+        max_seqs: int = 256,
+        max_stop_tokens: int = 4,
+        compute_dtype: jnp.dtype = jnp.float32,
+        mesh: Any = None,
+        axis_mapping: Any = None,
+        **_: Any,
+    ) -> None:
+        self.mesh, self.axis_mapping = mesh, dict(axis_mapping or {})
+        self.max_seq_len = max_seq_len
+        self.eos_id = int(eos_id)
+        self.max_seqs = max_seqs
+        self.max_stop_tokens = max_stop_tokens
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self._model = self._place(model)
+
+    _on_mesh = SamplingEngine._on_mesh
+    _place = SamplingEngine._place
+
+    @property
+    def model(self) -> LmHeadModel:
+        return self._model
+
+    def update_model(self, model: LmHeadModel) -> None:
+        """As :meth:`SamplingEngine.update_model`."""
+        model = self._place(model)
+        _check_same_shapes(self._model, model)
+        self._model = model
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> list[list[Sample]]:
+        """As :meth:`SamplingEngine.generate`."""
+        stops = _check_request(
+            prompts, n, stop_tokens, prompt_seeds,
+            eos_id=self.eos_id, max_seqs=self.max_seqs, max_stop_tokens=self.max_stop_tokens,
+            max_seq_len=self.max_seq_len,
+        )  # fmt: skip
+        stop_array = np.full(self.max_stop_tokens, stops[0], dtype=np.int32)
+        stop_array[: len(stops)] = stops
+        # Each row's key: PRNGKey(seed) folded with the prompt's index, or PRNGKey of the
+        # prompt's own seed; then folded with the sample's index (see _dense_sample).
+        count = len(prompts) * n
+        prompt_of = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
+        sample_of = np.tile(np.arange(n, dtype=np.int32), len(prompts))
+        if prompt_seeds is None:
+            seed_of = np.full(count, seed % 2**32, dtype=np.uint32)
+            fold_of = prompt_of
+        else:
+            per_prompt = np.asarray([int(x) % 2**32 for x in prompt_seeds], dtype=np.uint32)
+            seed_of = np.repeat(per_prompt, n)
+            fold_of = np.full(count, -1, dtype=np.int32)
+
+        results: list[list[Sample]] = [[] for _ in prompts]
+        stop_set = set(stops)
+        for start in range(0, count, self.max_seqs):
+            rows = range(start, min(start + self.max_seqs, count))
+            size = len(rows)
+            lengths = np.asarray([len(prompts[prompt_of[r]]) for r in rows], dtype=np.int32)
+            budgets = np.minimum(max_tokens, self.max_seq_len - lengths).astype(np.int32)
+            width = _bucket(int((lengths + budgets).max()), multiple=8, cap=self.max_seq_len)
+            height = _bucket(size, multiple=64)
+            tokens = np.zeros((height, width), dtype=np.int32)
+            for row, r in enumerate(rows):
+                tokens[row, : lengths[row]] = prompts[prompt_of[r]]
+
+            with self._on_mesh():
+                out_tokens, out_logprobs, out_lengths = _dense_sample(
+                    self._model,
+                    jnp.asarray(tokens),
+                    _pad(lengths, height, 1),
+                    _pad(budgets, height, 0),
+                    _pad(seed_of[start : start + size], height, 0),
+                    _pad(fold_of[start : start + size], height, -1),
+                    _pad(sample_of[start : start + size], height, 0),
+                    jnp.asarray(temperature, jnp.float32),
+                    jnp.asarray(stop_array),
+                )
+            out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
+            out_lengths = np.asarray(out_lengths)
+            for row, r in enumerate(rows):
+                begin, end = int(lengths[row]), int(lengths[row] + out_lengths[row])
+                response = out_tokens[row, begin:end]
+                results[prompt_of[r]].append(
+                    Sample(
+                        tokens=response,
+                        logprobs=out_logprobs[row, begin:end],
+                        stopped=end > begin and int(response[-1]) in stop_set,
+                    )
+                )
+        return results
+
+
+def make_sampler(kind: str, model: LmHeadModel, **kwargs: Any) -> SamplingEngine | DenseSampler:
+    """A :class:`SamplingEngine` (``"paged"``) or a :class:`DenseSampler` (``"dense"``)."""
+    if kind == "dense":
+        return DenseSampler(model, **kwargs)
+    if kind == "paged":
+        return SamplingEngine(model, **kwargs)
+    raise ValueError(f"unknown inference engine {kind!r}: use paged or dense")
+
+
 def inference_mesh(
     tensor_parallel: int, axes: Sequence[str] = ("mlp", "heads", "kv_head")
 ) -> tuple[Any, dict[str, Any]]:
@@ -311,4 +572,11 @@ def inference_mesh(
     return config.device_mesh, dict(config.compute_axis_mapping)
 
 
-__all__ = ["Sample", "SamplingEngine", "inference_mesh"]
+__all__ = [
+    "DenseSampler",
+    "Sample",
+    "SamplingEngine",
+    "choose_engine",
+    "inference_mesh",
+    "make_sampler",
+]

@@ -197,9 +197,11 @@ class TrainerService(_SetUpError):
     def _build(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any) -> None:
         _worker_logging(wc.run_dir, "trainer")
         logger.info("trainer process %d", os.getpid())
+        from marin_rl_core import compile_cache
         from marin_rl_core.trainer import Trainer
 
         config, registry = wc.resolve()
+        compile_cache.enable(config.compilation_cache)
         transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
             config.weight_transfer.config
         )
@@ -259,26 +261,11 @@ class RolloutService(_SetUpError):
     constructor of a restarted actor with the same arguments, and actor handles among them
     would have to stay pinned for that (Ray says so on the console)."""
 
-    def __init__(
-        self,
-        wc: WorkerConfig,
-        storage: Any,
-        address: str,
-        curriculum: str,
-        hub: str,
-        start_batch: int = 0,
-    ):
-        self._set_up(lambda: self._build(wc, storage, address, curriculum, hub, start_batch))
+    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
+        self._connected = False
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
 
-    def _build(
-        self,
-        wc: WorkerConfig,
-        storage: Any,
-        address: str,
-        curriculum_name: str,
-        hub_name: str,
-        start_batch: int,
-    ) -> None:
+    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
 
@@ -291,10 +278,12 @@ class RolloutService(_SetUpError):
             ray.get_runtime_context().get_node_id(),
             ray.util.get_node_ip_address(),
         )
+        from marin_rl_core import compile_cache
         from marin_rl_core.rollout_worker import RolloutWorker
 
         config, registry = wc.resolve()
-        transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+        compile_cache.enable(config.compilation_cache)
+        self._transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
             config.weight_transfer.config
         )
         self.worker = RolloutWorker(
@@ -302,17 +291,24 @@ class RolloutService(_SetUpError):
             registry,
             worker_index=wc.index,
             writer=storage.writer(),
-            weight_client=transfer.client(address),
+            weight_client=None,  # connected in run(), once the trainer's server is up
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
         )
-        self.worker.next_batch = start_batch
+        self.worker.warm_up()  # compiles while the trainer sets up
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
             logger.warning("rollout worker %d restarted after its process died", wc.index)
 
-    def run(self) -> dict[str, int]:
+    def run(self, address: str, start_batch: int = 0) -> dict[str, int]:
+        """Connect to the trainer's weight server at ``address`` (the first time; the worker sets
+        up before the trainer is ready) and generate from batch ``start_batch`` on until
+        stopped."""
         self._check()
+        if not self._connected:
+            self.worker.weight_client = self._transfer.client(address)
+            self.worker.next_batch = start_batch
+            self._connected = True
         return self.worker.run()
 
     def stop(self) -> None:
@@ -695,6 +691,20 @@ class RLJob:
                 .remote(trainer_wc, storage, curriculum, hub)
             )
             actors += [hub, curriculum, trainer]
+            # The rollout workers set up (model, sampler, envs) while the trainer does; they
+            # connect to its weight server when they are handed their run.
+            rollouts = [
+                ray.remote(RolloutService)
+                .options(
+                    **config.resources.rollout.ray_options(),
+                    max_concurrency=4,
+                    max_restarts=faults.worker_restarts,
+                    max_task_retries=0,
+                )
+                .remote(wc, storage, names["curriculum"], names["hub"])
+                for wc in rollout_wcs
+            ]
+            actors += rollouts
             try:
                 info = ray.get(trainer.ready.remote())
             except ray.exceptions.RayActorError as exc:
@@ -719,26 +729,7 @@ class RLJob:
                     start_step,
                     dropped,
                 )
-            rollouts = [
-                ray.remote(RolloutService)
-                .options(
-                    **config.resources.rollout.ray_options(),
-                    max_concurrency=4,
-                    max_restarts=faults.worker_restarts,
-                    max_task_retries=0,
-                )
-                .remote(
-                    wc,
-                    storage,
-                    info["address"],
-                    names["curriculum"],
-                    names["hub"],
-                    positions.get(wc.index, 0),
-                )
-                for wc in rollout_wcs
-            ]
-            actors += rollouts
-            watch = _Watch(self, trainer, rollouts, hub, start_step)
+            watch = _Watch(self, trainer, rollouts, hub, start_step, info["address"], positions)
             interrupted = False
             try:
                 final_step = watch.run(progress)
@@ -779,12 +770,26 @@ class _Watch:
     """The driver's view of a running job: progress bar, watchdog, rollout worker restarts and
     bounded stops. Every wait here has a timeout; a dead actor is an error, never a hang."""
 
-    def __init__(self, job: RLJob, trainer: Any, rollouts: list[Any], hub: Any, start: int):
+    def __init__(
+        self,
+        job: RLJob,
+        trainer: Any,
+        rollouts: list[Any],
+        hub: Any,
+        start: int,
+        address: str,
+        positions: dict[int, int],
+    ):
         self.job, self.trainer, self.rollouts, self.hub = job, trainer, rollouts, hub
         self.faults = job.config.faults
         self.start = self.step = start
         self.train_run = trainer.run.remote()
-        self.runs: dict[int, Any] = {i: w.run.remote() for i, w in enumerate(rollouts)}
+        # A worker's run connects it to the trainer's weight server and starts it at the batch
+        # after the last one the restored checkpoint received.
+        self.run_args = [(address, positions.get(i, 0)) for i in range(len(rollouts))]
+        self.runs: dict[int, Any] = {
+            i: w.run.remote(*self.run_args[i]) for i, w in enumerate(rollouts)
+        }
         self.restarts = [0] * len(rollouts)
         self.due: dict[int, float] = {}  # worker index -> when to hand a restarted worker its run
         # Each worker's process id: a new one after a failed run is a restart (Ray restarts a
@@ -932,7 +937,8 @@ class _Watch:
         for i, when in list(self.due.items()):
             if now >= when:
                 del self.due[i]
-                self.runs[i] = self.rollouts[i].run.remote()  # waits for Ray's restart
+                # Waits for Ray's restart.
+                self.runs[i] = self.rollouts[i].run.remote(*self.run_args[i])
 
     def stall_report(self, stalled: float) -> str:
         """Why no step completed: the trainer's stage and the rollout side's counters."""

@@ -74,7 +74,7 @@ class RolloutManager:
         tokenizer: Any,
         curriculum: CurriculumPolicy | None = None,
     ):
-        from marin_rl_core.inference import SamplingEngine
+        from marin_rl_core.inference import choose_engine, make_sampler
 
         self.config = config
         self.registry = registry
@@ -109,7 +109,19 @@ class RolloutManager:
             mesh, axis_mapping = inference_mesh(
                 config.model.inference_tensor_parallel, config.trainer.mesh.tensor_parallel_axes
             )
-        self._engine = SamplingEngine(
+        longest = max(
+            sampling.max_tokens
+            for lesson in self.lessons.values()
+            for sampling in (config.sampling_for(lesson), config.eval_sampling_for(lesson))
+        )
+        self.engine_kind = choose_engine(
+            config.model.inference_engine,
+            max_tokens=longest,
+            max_seq_len=config.model.max_seq_len,
+        )
+        logger.info("sampling with the %s engine", self.engine_kind)
+        self._engine = make_sampler(
+            self.engine_kind,
             model,
             mesh=mesh,
             axis_mapping=axis_mapping,

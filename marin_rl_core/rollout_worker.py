@@ -40,9 +40,9 @@ def batch_seed(run_seed: int, worker_index: int, batch_index: int, *, salt: int 
     batches, and across workers for :data:`WORKER_SEED_STRIDE` batches each (up to 127
     workers). A restarted worker process adds a random ``salt``. For worker 0 this is the
     seed the default task was tuned with (``run_seed * 1_000_003 + batch_index``)."""
-    return (
-        run_seed * 1_000_003 + worker_index * WORKER_SEED_STRIDE + batch_index + salt
-    ) % (2**31 - 1)
+    return (run_seed * 1_000_003 + worker_index * WORKER_SEED_STRIDE + batch_index + salt) % (
+        2**31 - 1
+    )
 
 
 class RolloutWorker:
@@ -105,6 +105,11 @@ class RolloutWorker:
         self.write_errors = 0
         self._write_error_logged = -1e9
         self._next_eval = 0
+        self._paced_from: int | None = None  # the weight step pacing counts from
+        self._generated_at: dict[int, int] = {}  # training rollouts made per weight step
+        self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
+        self._last_weights_at: float | None = None
+        self._pacing_timeout_logged = False
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -120,6 +125,15 @@ class RolloutWorker:
         model, step = received
         self.manager.update_model(model)
         self.weight_step = int(step)
+        now = time.monotonic()
+        if self._last_weights_at is not None:
+            interval = now - self._last_weights_at
+            self._weight_interval = (
+                interval
+                if not self._weight_interval
+                else 0.8 * self._weight_interval + 0.2 * interval
+            )
+        self._last_weights_at = now
         self.weight_syncs += 1
         logger.info("worker %s: now sampling with weights of step %d", self.worker_id, step)
         return True
@@ -133,6 +147,85 @@ class RolloutWorker:
                     return False
                 self._stop.wait(0.05)
         return self.weight_step >= min_step
+
+    def warm_up(self) -> float:
+        """Compile what the first batches need (the held-out eval of every lesson on worker 0,
+        a training batch of the first lesson) before the trainer is ready, on throw-away
+        problems: nothing is written, logged or told to the curriculum. Returns the seconds
+        it took; a failure here only logs a warning (the real batches will meet it again)."""
+        start = time.monotonic()
+        manager, config = self.manager, self.config
+        lessons = list(manager.lessons)
+        try:
+            if self.worker_index == 0:
+                for lesson_id in lessons:
+                    sampling = config.eval_sampling_for(manager.lessons[lesson_id])
+                    manager.sample_batch(
+                        lesson_id,
+                        n_examples=config.eval.n_examples,
+                        n_generations=sampling.n_generations_per_prompt,
+                        mode="eval",
+                        seed=config.seed + EVAL_SEED_OFFSET,
+                        weight_step=0,
+                        worker_id=self.worker_id,
+                        sampling=sampling,
+                    )
+            sampling = config.sampling_for(manager.lessons[lessons[0]])
+            manager.sample_batch(
+                lessons[0],
+                n_examples=sampling.n_prompts,
+                n_generations=sampling.n_generations_per_prompt,
+                mode="train",
+                seed=self._seed(self.next_batch) ^ 0x5EED,
+                weight_step=0,
+                worker_id=self.worker_id,
+            )
+        except Exception as exc:  # noqa: BLE001 - warming up is an optimisation only
+            logger.warning("warming up the sampler failed (%s: %s)", type(exc).__name__, exc)
+        seconds = time.monotonic() - start
+        logger.info("worker %s: sampler warmed up in %.1f s", self.worker_id, seconds)
+        return seconds
+
+    # --- pacing -------------------------------------------------------------------------------
+
+    def _ahead(self) -> bool:
+        """Whether this worker has generated all it may with the weights it has (see
+        ``replay_buffer.max_generated_per_trained``): its share of ``ratio x batch_size``
+        rollouts per trainer step, up to ``max_rollout_step_delay`` steps past its newest
+        weights. Rollouts of one weight version count only up to what the trainer can use
+        before they go stale (``max_rollout_step_delay + 1`` steps' worth)."""
+        ratio = self.config.replay_buffer.max_generated_per_trained
+        if not ratio or self.weight_step < 0:
+            return False
+        if self._paced_from is None:
+            self._paced_from = self.weight_step
+        delay = self.config.replay_buffer.max_rollout_step_delay
+        share = ratio * self.config.trainer.batch_size / self.config.num_rollout_workers
+        usable = sum(min(n, (delay + 1) * share) for n in self._generated_at.values())
+        return usable >= (self.weight_step - self._paced_from + 1 + delay) * share
+
+    def _wait_until_not_ahead(self) -> float:
+        """Wait (watching for a stop) until newer weights let this worker go on; returns the
+        seconds waited. The wait is bounded: after four typical intervals between weight
+        updates (at least 2 s) without one, the worker generates anyway, so that a trainer
+        that lost rollouts it was counted on for (evicted, dropped) is never left waiting."""
+        start = time.monotonic()
+        limit = max(2.0, 4 * self._weight_interval)
+        while self._ahead() and not self._stop.is_set():
+            if self.sync_weights():
+                continue
+            if time.monotonic() - start > limit:
+                if not self._pacing_timeout_logged:
+                    self._pacing_timeout_logged = True
+                    logger.info(
+                        "worker %s: no newer weights for %.1f s while paced; generating anyway "
+                        "(logged once)",
+                        self.worker_id,
+                        limit,
+                    )
+                break
+            self._stop.wait(0.005)
+        return time.monotonic() - start
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -206,14 +299,12 @@ class RolloutWorker:
         eval_every = self.config.eval.frequency
         end = None if max_batches is None else counter + max_batches
         while not self._stop.is_set() and (end is None or counter < end):
+            paced_seconds = self._wait_until_not_ahead()
+            if self._stop.is_set():
+                break
             sync_start = time.monotonic()
             synced = self.sync_weights()
             sync_seconds = time.monotonic() - sync_start
-            if self.worker_index == 0 and self.weight_step >= self._next_eval:
-                self.evaluate()
-                self._next_eval = (
-                    (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
-                )
             lesson_id = self.curriculum.sample_lesson(seed=self._seed(counter))
             sampling = self.config.sampling_for(self.manager.lessons[lesson_id])
             micro = self.config.eval.micro_frequency
@@ -260,14 +351,26 @@ class RolloutWorker:
                 self._stop.wait(min(0.05 * 2 ** min(self.empty_batches_in_a_row - 1, 7), 5.0))
             else:
                 self.empty_batches_in_a_row = 0
+                step = self.weight_step
+                self._generated_at[step] = self._generated_at.get(step, 0) + len(batch.rollouts)
                 self.manager.update_training_stats(lesson_id, batch, self.weight_step)
                 write_start = time.monotonic()
                 if self._write(batch):
                     self.batches_written += 1
                 write_seconds = time.monotonic() - write_start
             # Where the worker's time goes: generating and scoring (``seconds``), pulling
-            # weights, and writing (blocked while storage is full: the trainer is behind).
+            # weights, writing (blocked while storage is full: the trainer is behind), and
+            # waiting for newer weights when it is as far ahead as pacing allows.
+            # Worker 0's held-out eval, after the batch is on its way: the trainer trains on it
+            # meanwhile (the step-0 eval overlaps the first steps instead of delaying them).
+            if self.worker_index == 0 and self.weight_step >= self._next_eval:
+                self.evaluate()
+                self._next_eval = (
+                    (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
+                )
             metrics["weight_sync_seconds"] = sync_seconds if synced else 0.0
+            metrics["paced_seconds"] = paced_seconds
+            metrics["rollouts"] = float(len(batch.rollouts)) if batch is not None else 0.0
             metrics["write_seconds"] = write_seconds
             metrics["write_errors"] = self.write_errors
             metrics = {f"rollout/{k}": v for k, v in metrics.items()}

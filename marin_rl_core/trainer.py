@@ -638,6 +638,7 @@ class Trainer:
             batch_size=self.config.trainer.batch_size,
             pack=self.config.trainer.pack_rollouts,
             row_multiple=self._row_multiple,
+            trim=self.config.trainer.trim_rows,
         )
         start = self._enter("in a training step")
         state, loss, out = self.learner.step(self.state, batch)

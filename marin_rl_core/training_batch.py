@@ -161,6 +161,16 @@ def padded_fraction(batch: TrainingBatch, rollouts: Sequence[Rollout]) -> float:
     return 1.0 - tokens / (batch.Batch.size * width)
 
 
+def row_length(longest: int, max_seq_len: int) -> int:
+    """The length of a trimmed batch's rows: its ``longest`` row rounded up to a power of two,
+    at least 8 and at most ``max_seq_len``, so that few distinct shapes ever compile (at most
+    ``log2(max_seq_len / 8) + 2``)."""
+    width = 8
+    while width < longest:
+        width *= 2
+    return min(width, max_seq_len)
+
+
 def training_batch_from_rollouts(
     rollouts: Sequence[Rollout],
     advantages: Sequence[float] | np.ndarray,
@@ -171,6 +181,7 @@ def training_batch_from_rollouts(
     batch_size: int | None = None,
     pack: bool = False,
     row_multiple: int = 1,
+    trim: bool = False,
 ) -> TrainingBatch:
     """Build a :class:`TrainingBatch` from rollouts and one advantage per rollout.
 
@@ -189,6 +200,8 @@ def training_batch_from_rollouts(
             waste padded positions.
         row_multiple: with ``pack``, the number of rows is rounded up to a multiple of this
             (fewer distinct shapes to compile; micro-batches and data-parallel shards divide it).
+        trim: rows end after the batch's longest row, rounded up (:func:`row_length`), instead
+            of at ``max_seq_len``: a batch of short rollouts then costs what its tokens cost.
     """
     advantages = np.asarray(advantages, dtype=np.float32).reshape(-1)
     if advantages.shape[0] != len(rollouts):
@@ -219,6 +232,9 @@ def training_batch_from_rollouts(
                 f"batch_size={batch_size} is smaller than the {len(rollouts)} rollouts"
             )
         layout = [[i] for i in range(len(rollouts))]
+    if trim:
+        longest = max((sum(lengths[i] for i in members) for members in layout), default=1)
+        max_seq_len = row_length(longest, max_seq_len)
     input_ids = np.full((n, max_seq_len), pad_id, dtype=np.int32)
     loss_mask = np.zeros((n, max_seq_len), dtype=np.float32)
     token_advantages = np.zeros((n, max_seq_len), dtype=np.float32)

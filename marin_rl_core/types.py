@@ -15,6 +15,7 @@ trainer's replay buffer.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -273,7 +274,8 @@ class Rollout:
                 f"{starts.shape[0]} turn_starts but {self.turn_rewards.shape[0]} turn_rewards"
             )
         if starts.size:
-            if starts[0] < 1 or np.any(np.diff(starts) <= 0) or starts[-1] >= n:
+            increasing = starts.size == 1 or bool(np.all(starts[1:] > starts[:-1]))
+            if starts[0] < 1 or not increasing or starts[-1] >= n:
                 raise ValueError(
                     f"turn_starts must increase within 1..{n - 1} (the prompt comes first), "
                     f"got {starts.tolist()}"
@@ -371,7 +373,10 @@ class Rollout:
         return out
 
     def with_metadata(self, metadata: RolloutMetadata) -> Rollout:
-        return attrs.evolve(self, metadata=metadata)
+        """This rollout with ``metadata`` (a copy: the arrays are shared, not re-validated)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "metadata", metadata)
+        return out
 
 
 @attrs.frozen(kw_only=True)

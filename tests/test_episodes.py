@@ -228,11 +228,34 @@ class ProbeEnv:
         self.closed += 1
 
 
+class ScoreProbeEnv:
+    """A single-turn env whose ``score`` hangs or raises on problem 1 (``behaviour``: ``hang``
+    or ``raise``) and counts its calls."""
+
+    def __init__(self, config: ProbeConfig):
+        self.config, self.calls = config, 0
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=str(i), prompt=f"{i}+{i}=", answer=str(2 * i)) for i in range(n)]
+
+    def score(self, problem, response):
+        self.calls += 1
+        if problem.id == self.config.hang_problem:
+            if self.config.behaviour == "hang":
+                time.sleep(3600)
+            if self.config.behaviour == "raise":
+                raise RuntimeError("the grader fell over")
+        return 0.25
+
+
 class probe_plugin:
     @staticmethod
     @hookimpl
     def marinrl_register_envs():
         yield EnvPlugin(name="probe", summary="probe", config_class=ProbeConfig, build=ProbeEnv)
+        yield EnvPlugin(
+            name="score_probe", summary="probe", config_class=ProbeConfig, build=ScoreProbeEnv
+        )
 
 
 def _probe(behaviour: str, *overrides: str):
@@ -269,6 +292,33 @@ def test_a_hanging_step_is_cut_off_counted_and_loses_only_its_group(behaviour, c
     # The runner goes on: the next batch is served (a stuck env thread was replaced).
     again, metrics = _sample(manager, seed=1)
     assert metrics["env_timeouts"] == 4 and len(again.rollouts) == 12
+
+
+@pytest.mark.parametrize("behaviour", ["hang", "raise"])
+def test_a_single_turn_score_that_hangs_or_raises_loses_only_its_group(behaviour, caplog):
+    """A single-turn batch is scored in one job on the env thread; a hanging ``score`` is still
+    cut off after ``step_timeout_s`` and the calls after it go on, on a new thread."""
+    manager, _ = _manager(
+        "score_probe",
+        modules=[probe_plugin],
+        overrides=[f"env.behaviour={behaviour!r}", "episodes.step_timeout_s=1.0"],
+    )
+    env = manager.env("score_probe").env
+    args = dict(n_examples=4, n_generations=4, mode="train", weight_step=0, worker_id="w")
+    batch, metrics = manager.sample_batch("score_probe", seed=0, **args)
+    assert sorted({r.problem_id for r in batch.rollouts}) == ["0", "2", "3"]
+    assert {r.reward for r in batch.rollouts} == {0.25} and len(batch.rollouts) == 12
+    if behaviour == "hang":
+        # Each of problem 1's four calls hangs and is cut off; the other twelve are scored.
+        assert metrics["env_timeouts"] == 4 and metrics["env_errors"] == 0
+        assert "did not return within 1.0 s" in caplog.text
+        assert manager._runner.hung_threads == 4
+    else:
+        assert metrics["env_timeouts"] == 0 and metrics["env_errors"] == 1
+        assert "the grader fell over" in caplog.text
+    assert env.calls == 16
+    again, _ = manager.sample_batch("score_probe", seed=1, **args)
+    assert len(again.rollouts) == 12
 
 
 def test_a_step_that_raises_fails_its_problem_group():

@@ -1,5 +1,7 @@
-"""SamplingEngine: sampling from levanter's InferenceEngine, weight swaps, and logprob agreement
-with the trainer's computation. One engine (compiled once) is shared by the whole module."""
+"""The samplers: levanter's paged InferenceEngine (``SamplingEngine``) and the dense sampler
+(``DenseSampler``), both held to the same tests: shapes, seeds, stop tokens, weight swaps, the
+sampling distribution, and logprob agreement with the trainer's computation. One engine of each
+kind (compiled once) is shared by the whole module."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from levanter.layers.attention import AttentionMask
 
 from marin_rl_core import Rollout
 from marin_rl_core.config import ModelConfig
-from marin_rl_core.inference import SamplingEngine
+from marin_rl_core.inference import make_sampler
 from marin_rl_core.model import build_model, next_token_logprobs, response_logprobs
 from marin_rl_core.tokenizer import ArithmeticTokenizer
 from marin_rl_core.training_batch import training_batch_from_rollouts
@@ -32,10 +34,12 @@ def models(tok):
     return [build_model(CONFIG, tok, key=jax.random.PRNGKey(k)) for k in (0, 1)]
 
 
-@pytest.fixture(scope="module")
-def engine(models, tok):
+@pytest.fixture(scope="module", params=["paged", "dense"])
+def engine(request, models, tok):
     # Small max_seqs so that the tests also exercise chunking of larger requests.
-    eng = SamplingEngine(models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=32)
+    eng = make_sampler(
+        request.param, models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=32
+    )
     yield eng
     eng.update_model(models[0])
 
@@ -102,6 +106,33 @@ def test_seed_fixes_the_samples(fresh, tok):
     assert tokens(a) != tokens(c)
     # The samples of one prompt differ from each other (clones get their own keys).
     assert len({tuple(s.tokens.tolist()) for s in a[0]}) > 1
+
+
+def test_samples_follow_the_model_distribution(fresh, models, tok):
+    """The first response token's frequencies over many samples match the model's (tempered)
+    next-token distribution: a sampler reporting the right logprobs could still draw wrongly."""
+    prompt = prompts_of(tok, 1)[0]
+    temperature = 2.0  # flattens the untrained model's distribution: many tokens get drawn
+    (group,) = fresh.generate([prompt], n=32, temperature=temperature, max_tokens=1, seed=11)
+    draws = [int(s.tokens[0]) for s in group]
+    for seed in range(12, 27):  # 16 calls x 32 samples
+        (group,) = fresh.generate([prompt], n=32, temperature=temperature, max_tokens=1, seed=seed)
+        draws += [int(s.tokens[0]) for s in group]
+    row = prompt + [0] * (MAX_SEQ_LEN - len(prompt))
+    x = hax.named(jnp.asarray([row], dtype=jnp.int32), ("batch", "position"))
+    logits = np.asarray(_next_token_logits(models[0], x).array[0, len(prompt) - 1], np.float64)
+    p = np.exp(logits / temperature - np.logaddexp.reduce(logits / temperature))
+    # Eight bins of about equal probability (tokens sorted by it) keep the sampling noise
+    # small: 512 correct draws land within about 0.05 total variation of the model.
+    order = np.argsort(-p)
+    bins = np.zeros(p.size, dtype=int)
+    bins[order] = np.minimum((np.cumsum(p[order]) - p[order] / 2) * 8, 7).astype(int)
+    want = np.bincount(bins, weights=p, minlength=8)
+    got = np.bincount(bins[draws], minlength=8) / len(draws)
+    total_variation = 0.5 * np.abs(got - want).sum()
+    # A sampler that ignored the temperature (drew at T=1) or took the argmax is far off.
+    assert total_variation < 0.12, (total_variation, got, want)
+    assert len(set(draws)) > 5
 
 
 def test_extra_stop_tokens_end_responses(fresh, models, tok):
@@ -234,12 +265,13 @@ def test_update_model_rejects_a_different_architecture(fresh, models):
         fresh.update_model(bigger_vocab)
 
 
-def test_long_prompts_with_several_samples_each_match_the_trainer(models, tok):
+@pytest.mark.parametrize("kind", ["paged", "dense"])
+def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, tok):
     """Prompts of 16 tokens and more (a chat template makes them common) with n > 1: every
     sample's logprobs match the trainer's. With 16-token KV pages levanter's clones of a prompt
     that fills a page decoded from the wrong cache entries."""
     max_seq_len = 40
-    engine = SamplingEngine(models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
+    engine = make_sampler(kind, models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
     prompts = [[tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)] for length in (15, 16, 17, 30)]
     samples = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=3)
     responses = [s.tokens for group in samples for s in group]

@@ -1,5 +1,5 @@
 """The whole Ray job, for a few steps on the mock env: rollouts flow, weights sync, every rollout
-carries its metadata, stale rollouts are dropped, and a second run resumes from the checkpoint.
+carries its metadata, paced workers make nothing stale, and a second run resumes from the checkpoint.
 (tests/test_ray_cluster.py runs the job on a separately started cluster.)"""
 
 from __future__ import annotations
@@ -81,10 +81,19 @@ def test_every_trained_rollout_carries_metadata_and_none_is_stale(first_run):
         assert s["weight_step"] == s["step"] - 1
 
 
-def test_stale_rollouts_were_dropped(first_run):
+def test_paced_workers_generate_what_is_trained_and_nothing_stale(first_run):
+    """Pacing (replay_buffer.max_generated_per_trained = 1): with on-policy training the worker
+    makes one batch per weight version and waits for the next, so no rollout arrives stale
+    and at most the batch in flight when training ended goes unused."""
     result, _, _ = first_run
-    train = [r for r in read_metrics(result.run_dir) if r["source"] == "train"]
-    assert sum(r.get("replay/dropped_stale_step", 0) for r in train) > 0
+    rows = read_metrics(result.run_dir)
+    train = [r for r in rows if r["source"] == "train"]
+    assert sum(r.get("replay/dropped_stale_step", 0) for r in train) == 0
+    generated = sum(r.get("rollout/rollouts", 0) for r in rows if r["source"] == "rollout")
+    trained = sum(r["replay/sampled_rollouts"] for r in train)
+    assert trained == 4 * 32
+    assert trained <= generated <= trained + 32
+    assert any(r.get("rollout/paced_seconds", 0) > 0 for r in rows if r["source"] == "rollout")
 
 
 def test_held_out_eval_runs_at_start_and_on_the_final_weights(first_run):

@@ -189,3 +189,47 @@ def test_packed_rows_give_the_same_logprobs_and_loss_as_one_rollout_per_row():
     np.testing.assert_allclose(
         float(loss_fn(model, packed)[0]), float(loss_fn(model, plain)[0]), rtol=1e-5
     )
+
+
+def test_trimmed_rows_end_at_the_longest_rollout_and_give_the_same_loss():
+    """``trim``: a batch of short rollouts gets rows of its longest row rounded up to a power of
+    two (at least 8), not of max_seq_len, and the trainer's logprobs and loss do not change."""
+    import jax
+    from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
+
+    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.model import build_model
+    from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.training_batch import batch_logprobs_and_entropy, row_length
+
+    assert [row_length(n, 64) for n in (1, 7, 8, 9, 17, 40, 64)] == [8, 8, 8, 16, 32, 64, 64]
+    assert row_length(30, 20) == 20
+    tok = ArithmeticTokenizer()
+    model = build_model(ModelConfig(max_seq_len=32, num_layers=2), tok, key=jax.random.PRNGKey(0))
+    rng = np.random.default_rng(1)
+    rollouts = [
+        rollout(rng.integers(4, 100, p), rng.integers(4, 100, r), rng.normal(-2, 0.5, r),
+                reward=float(rng.random()))
+        for p, r in [(5, 2), (4, 3), (9, 2), (3, 1)]
+    ]  # fmt: skip
+    advantages = rng.normal(size=len(rollouts))
+    full = training_batch_from_rollouts(rollouts, advantages, 32, PAD, temperature=1.5)
+    trimmed = training_batch_from_rollouts(rollouts, advantages, 32, PAD, temperature=1.5, trim=True)
+    assert full.Pos.size == 32 and trimmed.Pos.size == 16  # the longest has 11 tokens
+    width = trimmed.Pos.size
+    for name in ("input_ids", "loss_mask", "advantages", "behaviour_logprobs"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(trimmed, name).array), np.asarray(getattr(full, name).array)[:, :width]
+        )
+    got = np.asarray(batch_logprobs_and_entropy(model, trimmed)[0].array)
+    want = np.asarray(batch_logprobs_and_entropy(model, full)[0].array)[:, :width]
+    mask = np.asarray(trimmed.loss_mask.array) > 0
+    np.testing.assert_allclose(got[mask], want[mask], atol=1e-5)
+    loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
+    np.testing.assert_allclose(
+        float(loss_fn(model, trimmed)[0]), float(loss_fn(model, full)[0]), rtol=1e-5
+    )
+    packed = training_batch_from_rollouts(
+        rollouts, advantages, 32, PAD, temperature=1.5, pack=True, trim=True
+    )
+    assert packed.Batch.size == 1 and packed.Pos.size == 32  # 11 + 7 + 7 + 4 = 29 tokens, one row
