@@ -158,6 +158,7 @@ ROLLOUT_STAGES = {
     "scoring": "rollout/score_seconds",
     "pulling weights": "rollout/weight_sync_seconds",
     "blocked writing (storage full)": "rollout/write_seconds",
+    "paced (waiting for newer weights)": "rollout/paced_seconds",
 }
 
 
@@ -186,6 +187,15 @@ def bottleneck(stages: dict[str, dict[str, float]]) -> str | None:
     rollout = stages.get("rollout", {})
     if trainer and sum(trainer.values()) > 0:
         waiting = trainer.get("waiting for rollouts", 0.0) / sum(trainer.values())
+        paced = 0.0
+        if rollout and sum(rollout.values()) > 0:
+            paced = rollout.get("paced (waiting for newer weights)", 0.0) / sum(rollout.values())
+        if waiting > 0.5 and paced > 0.3:
+            return (
+                f"the hand-off: the trainer waits for rollouts {waiting:.0%} of the time (reading "
+                f"them in included) while paced rollout workers wait for newer weights "
+                f"{paced:.0%} of theirs; on a machine the two share, they take turns"
+            )
         if waiting > 0.5:
             return f"the rollout side: the trainer waits for rollouts {waiting:.0%} of the time"
     if rollout and sum(rollout.values()) > 0:

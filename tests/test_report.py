@@ -42,6 +42,14 @@ def test_the_summary_says_where_the_time_went_and_which_side_holds_the_job_back(
     assert "trainer per step: waiting for rollouts 0.300 s (75%), training 0.100 s (25%)" in text
     assert "rollout worker per batch: generating 0.200 s (80%), scoring 0.050 s (20%)" in text
     assert "bottleneck: the rollout side: the trainer waits for rollouts 75% of the time" in text
+    # Paced workers that mostly wait for weights are not the bottleneck the trainer waits on.
+    rows[-1]["rollout/paced_seconds"] = 0.5
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    console = Console(width=300, record=True)
+    console.print(render_summary(summarize(tmp_path)))
+    text = console.export_text()
+    assert "paced (waiting for newer weights) 0.500 s (67%)" in text
+    assert "bottleneck: the hand-off: the trainer waits for rollouts 75% of the time" in text
 
 
 def test_the_summary_shows_episodes_of_multi_turn_lessons_and_env_failures(tmp_path):
