@@ -152,7 +152,13 @@ class RolloutWorker:
         """Compile what the first batches need (the held-out eval of every lesson on worker 0,
         a training batch of the first lesson) before the trainer is ready, on throw-away
         problems: nothing is written, logged or told to the curriculum. Returns the seconds
-        it took; a failure here only logs a warning (the real batches will meet it again)."""
+        it took; a failure here only logs a warning (the real batches will meet it again).
+
+        Only with the dense sampler, whose batches are cheap by construction and whose shapes
+        follow the batch: levanter's paged engine compiles its fixed shapes on first use, and
+        generating a real model's held-out eval twice could take minutes."""
+        if self.manager.engine_kind != "dense":
+            return 0.0
         start = time.monotonic()
         manager, config = self.manager, self.config
         lessons = list(manager.lessons)
