@@ -44,6 +44,7 @@ from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl_core.model import BATCH, POS, cast_floating
+from marin_rl_core.training_batch import row_length
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +108,59 @@ def _check_request(
     return stops
 
 
-class SamplingEngine:
+class _Sampler:
+    """What both samplers share: the model in the engine's dtype, sharded over an optional mesh,
+    and weight swaps that must keep the architecture."""
+
+    def __init__(
+        self,
+        model: LmHeadModel,
+        *,
+        max_seq_len: int,
+        eos_id: int,
+        max_stop_tokens: int,
+        compute_dtype: Any,
+        mesh: Any,
+        axis_mapping: Any,
+    ) -> None:
+        self.mesh, self.axis_mapping = mesh, dict(axis_mapping or {})
+        self.max_seq_len = max_seq_len
+        self.eos_id = int(eos_id)
+        self.max_stop_tokens = max_stop_tokens
+        self.compute_dtype = jnp.dtype(compute_dtype)
+        self._model = self._place(model)
+
+    @contextlib.contextmanager
+    def _on_mesh(self) -> Iterator[None]:
+        if self.mesh is None:
+            yield
+            return
+        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.axis_mapping):
+            yield
+
+    def _place(self, model: LmHeadModel) -> LmHeadModel:
+        """``model`` in the engine's dtype, sharded over its mesh (if it has one)."""
+        model = cast_floating(model, self.compute_dtype)
+        if self.mesh is not None:
+            with self._on_mesh():
+                model = hax.shard(model, self.axis_mapping)
+        return model
+
+    @property
+    def model(self) -> LmHeadModel:
+        return self._model
+
+    def update_model(self, model: LmHeadModel) -> None:
+        """Sample from ``model`` from now on. It must have the same structure and shapes as the
+        current model (new weights of the same architecture); anything else is rejected. Its
+        floating-point parameters are cast to the engine's ``compute_dtype`` and sharded over its
+        mesh."""
+        model = self._place(model)
+        _check_same_shapes(self._model, model)
+        self._model = model
+
+
+class SamplingEngine(_Sampler):
     """Generates ``n`` samples per prompt from a levanter LM, reusable across weight updates.
 
     Args:
@@ -143,12 +196,8 @@ class SamplingEngine:
         mesh: Any = None,
         axis_mapping: Any = None,
     ) -> None:
-        self.mesh, self.axis_mapping = mesh, dict(axis_mapping or {})
         page_size = max(page_size or max_seq_len, max_seq_len)
         pages_per_seq = -(-max_seq_len // page_size)
-        self.max_seq_len = max_seq_len
-        self.eos_id = int(eos_id)
-        self.max_stop_tokens = max_stop_tokens
         self._config = InferenceEngineConfig(
             max_seq_len=max_seq_len,
             page_size=page_size,
@@ -163,45 +212,26 @@ class SamplingEngine:
             enable_logprobs=True,
             compute_dtype=compute_dtype,
         )
-        self.compute_dtype = jnp.dtype(compute_dtype)
-        self._model = self._place(model)
+        super().__init__(
+            model,
+            max_seq_len=max_seq_len,
+            eos_id=eos_id,
+            max_stop_tokens=max_stop_tokens,
+            compute_dtype=compute_dtype,
+            mesh=mesh,
+            axis_mapping=axis_mapping,
+        )
         with self._on_mesh():
             self._engine = self._new_engine()
-
-    @contextlib.contextmanager
-    def _on_mesh(self) -> Iterator[None]:
-        if self.mesh is None:
-            yield
-            return
-        with hax.partitioning.set_mesh(self.mesh), hax.axis_mapping(self.axis_mapping):
-            yield
-
-    def _place(self, model: LmHeadModel) -> LmHeadModel:
-        """``model`` in the engine's dtype, sharded over its mesh (if it has one)."""
-        model = cast_floating(model, self.compute_dtype)
-        if self.mesh is not None:
-            with self._on_mesh():
-                model = hax.shard(model, self.axis_mapping)
-        return model
 
     def _new_engine(self) -> InferenceEngine:
         return InferenceEngine.from_model_with_config(
             model=self._model, tokenizer=None, config=self._config
         )
 
-    @property
-    def model(self) -> LmHeadModel:
-        return self._model
-
     def update_model(self, model: LmHeadModel) -> None:
-        """Sample from ``model`` from now on. It must have the same structure and shapes as the
-        current model (new weights of the same architecture); anything else is rejected. Its
-        floating-point parameters are cast to the engine's ``compute_dtype`` and sharded over its
-        mesh."""
-        model = self._place(model)
-        _check_same_shapes(self._model, model)
-        self._model = model
-        self._engine.model = model
+        super().update_model(model)
+        self._engine.model = self._model
 
     def generate(
         self,
@@ -324,16 +354,15 @@ def choose_engine(kind: str, *, max_tokens: int, max_seq_len: int) -> str:
     return "dense" if max_tokens * max_seq_len <= DENSE_MAX_WORK else "paged"
 
 
-def _bucket(n: int, *, multiple: int, cap: int | None = None) -> int:
+def _bucket(n: int, *, multiple: int) -> int:
     """``n`` rounded up to a power of two below ``multiple``, else to a multiple of it: few
-    distinct shapes, so few compilations."""
-    if n <= multiple:
-        size = 1
-        while size < n:
-            size *= 2
-    else:
-        size = -(-n // multiple) * multiple
-    return size if cap is None else min(size, cap)
+    distinct batch heights, so few compilations."""
+    if n > multiple:
+        return -(-n // multiple) * multiple
+    size = 1
+    while size < n:
+        size *= 2
+    return size
 
 
 def _pad(values: np.ndarray, size: int, fill: int) -> jax.Array:
@@ -411,7 +440,7 @@ def _dense_sample(
     return tokens, logprobs, lengths
 
 
-class DenseSampler:
+class DenseSampler(_Sampler):
     """Samples short responses with plain jitted forward passes: the prompts are right-padded
     into one ``[rows, positions]`` array and each new token costs one forward pass over it (no
     KV cache). For short generations from small models this is several times faster than the
@@ -443,26 +472,16 @@ class DenseSampler:
         axis_mapping: Any = None,
         **_: Any,
     ) -> None:
-        self.mesh, self.axis_mapping = mesh, dict(axis_mapping or {})
-        self.max_seq_len = max_seq_len
-        self.eos_id = int(eos_id)
+        super().__init__(
+            model,
+            max_seq_len=max_seq_len,
+            eos_id=eos_id,
+            max_stop_tokens=max_stop_tokens,
+            compute_dtype=compute_dtype,
+            mesh=mesh,
+            axis_mapping=axis_mapping,
+        )
         self.max_seqs = max_seqs
-        self.max_stop_tokens = max_stop_tokens
-        self.compute_dtype = jnp.dtype(compute_dtype)
-        self._model = self._place(model)
-
-    _on_mesh = SamplingEngine._on_mesh
-    _place = SamplingEngine._place
-
-    @property
-    def model(self) -> LmHeadModel:
-        return self._model
-
-    def update_model(self, model: LmHeadModel) -> None:
-        """As :meth:`SamplingEngine.update_model`."""
-        model = self._place(model)
-        _check_same_shapes(self._model, model)
-        self._model = model
 
     def generate(
         self,
@@ -503,7 +522,7 @@ class DenseSampler:
             size = len(rows)
             lengths = np.asarray([len(prompts[prompt_of[r]]) for r in rows], dtype=np.int32)
             budgets = np.minimum(max_tokens, self.max_seq_len - lengths).astype(np.int32)
-            width = _bucket(int((lengths + budgets).max()), multiple=8, cap=self.max_seq_len)
+            width = row_length(int((lengths + budgets).max()), self.max_seq_len)
             height = _bucket(size, multiple=64)
             tokens = np.zeros((height, width), dtype=np.int32)
             for row, r in enumerate(rows):

@@ -107,6 +107,7 @@ class RolloutWorker:
         self._next_eval = 0
         self._paced_from: int | None = None  # the weight step pacing counts from
         self._generated_at: dict[int, int] = {}  # training rollouts made per weight step
+        self._usable = 0.0  # of those, what the trainer can use before they go stale
         self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
         self._last_weights_at: float | None = None
         self._pacing_timeout_logged = False
@@ -206,9 +207,25 @@ class RolloutWorker:
         if self._paced_from is None:
             self._paced_from = self.weight_step
         delay = self.config.replay_buffer.max_rollout_step_delay
-        share = ratio * self.config.trainer.batch_size / self.config.num_rollout_workers
-        usable = sum(min(n, (delay + 1) * share) for n in self._generated_at.values())
-        return usable >= (self.weight_step - self._paced_from + 1 + delay) * share
+        return self._usable >= (self.weight_step - self._paced_from + 1 + delay) * self._share
+
+    @property
+    def _share(self) -> float:
+        """This worker's rollouts per trainer step under pacing."""
+        rb = self.config.replay_buffer
+        return (
+            rb.max_generated_per_trained
+            * self.config.trainer.batch_size
+            / (self.config.num_rollout_workers)
+        )
+
+    def _count_generated(self, n: int) -> None:
+        """Count ``n`` training rollouts made with the current weights for pacing: a weight
+        version counts only up to ``max_rollout_step_delay + 1`` steps' worth."""
+        cap = (self.config.replay_buffer.max_rollout_step_delay + 1) * self._share
+        before = self._generated_at.get(self.weight_step, 0)
+        self._generated_at[self.weight_step] = before + n
+        self._usable += min(before + n, cap) - min(before, cap)
 
     def _wait_until_not_ahead(self) -> float:
         """Wait (watching for a stop) until newer weights let this worker go on; returns the
@@ -357,8 +374,7 @@ class RolloutWorker:
                 self._stop.wait(min(0.05 * 2 ** min(self.empty_batches_in_a_row - 1, 7), 5.0))
             else:
                 self.empty_batches_in_a_row = 0
-                step = self.weight_step
-                self._generated_at[step] = self._generated_at.get(step, 0) + len(batch.rollouts)
+                self._count_generated(len(batch.rollouts))
                 self.manager.update_training_stats(lesson_id, batch, self.weight_step)
                 write_start = time.monotonic()
                 if self._write(batch):
