@@ -234,6 +234,11 @@ class TrainerService(_SetUpError):
         self._check()
         return self.trainer.diagnostics()
 
+    def starved_seconds(self) -> float:
+        """See :meth:`marin_rl_core.trainer.Trainer.starved_seconds` (paced workers ask)."""
+        self._check()
+        return self.trainer.starved_seconds()
+
     def run(self) -> int:
         self._check()
         try:
@@ -300,14 +305,20 @@ class RolloutService(_SetUpError):
             self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
             logger.warning("rollout worker %d restarted after its process died", wc.index)
 
-    def run(self, address: str, start_batch: int = 0) -> dict[str, int]:
+    def run(self, address: str, start_batch: int = 0, trainer: Any = None) -> dict[str, int]:
         """Connect to the trainer's weight server at ``address`` (the first time; the worker sets
         up before the trainer is ready) and generate from batch ``start_batch`` on until
-        stopped."""
+        stopped. ``trainer`` (its actor) tells a paced worker when it is short of rollouts."""
         self._check()
         if not self._connected:
             self.worker.weight_client = self._transfer.client(address)
             self.worker.next_batch = start_batch
+            if trainer is not None:
+                import ray
+
+                self.worker.trainer_starved = lambda: float(
+                    ray.get(trainer.starved_seconds.remote(), timeout=5.0)
+                )
             self._connected = True
         return self.worker.run()
 
@@ -784,9 +795,10 @@ class _Watch:
         self.faults = job.config.faults
         self.start = self.step = start
         self.train_run = trainer.run.remote()
-        # A worker's run connects it to the trainer's weight server and starts it at the batch
-        # after the last one the restored checkpoint received.
-        self.run_args = [(address, positions.get(i, 0)) for i in range(len(rollouts))]
+        # A worker's run connects it to the trainer's weight server, starts it at the batch
+        # after the last one the restored checkpoint received, and lets it ask the trainer
+        # whether it is short of rollouts (pacing).
+        self.run_args = [(address, positions.get(i, 0), trainer) for i in range(len(rollouts))]
         self.runs: dict[int, Any] = {
             i: w.run.remote(*self.run_args[i]) for i, w in enumerate(rollouts)
         }

@@ -33,6 +33,14 @@ EVAL_SEED_OFFSET = 7_919
 WORKER_SEED_STRIDE = 2**24
 """Batches a rollout worker may sample before its seeds would run into the next worker's."""
 
+STARVED_S = 1.0
+"""A paced worker goes on when the trainer has waited this long with no rollouts arriving (the
+trainer's reader polls every 0.5 s, so a batch already written has arrived by then)."""
+
+PACED_LIMIT_S = 60.0
+"""The longest a paced worker waits for newer weights while the trainer is busy (it goes on
+after four typical weight intervals if those are longer)."""
+
 
 def batch_seed(run_seed: int, worker_index: int, batch_index: int, *, salt: int = 0) -> int:
     """The seed of a rollout worker's batch: its lesson draw, ``Env.sample_problems`` seed and
@@ -111,6 +119,9 @@ class RolloutWorker:
         self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
         self._last_weights_at: float | None = None
         self._pacing_timeout_logged = False
+        self.trainer_starved: Callable[[], float] | None = None
+        """Seconds the trainer has been waiting for rollouts with none arriving (set by the job;
+        see :meth:`_wait_until_not_ahead`)."""
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -229,26 +240,49 @@ class RolloutWorker:
 
     def _wait_until_not_ahead(self) -> float:
         """Wait (watching for a stop) until newer weights let this worker go on; returns the
-        seconds waited. The wait is bounded: after four typical intervals between weight
-        updates (at least 2 s) without one, the worker generates anyway, so that a trainer
-        that lost rollouts it was counted on for (evicted, dropped) is never left waiting."""
+        seconds waited.
+
+        A trainer can be short of rollouts it was counted on for (dropped, filtered, evicted)
+        and then publishes no newer weights: the worker goes on once the trainer says it has
+        waited ``STARVED_S`` with nothing arriving (``trainer_starved``). A trainer that is busy
+        (its first step compiling, a checkpoint) is waited for. Without an answer from the
+        trainer (no job around it, or the trainer is gone) the wait ends after four typical
+        intervals between weight updates (at least 2 s); with one, after ``PACED_LIMIT_S`` or
+        four typical intervals at most."""
         start = time.monotonic()
-        limit = max(2.0, 4 * self._weight_interval)
+        fallback = max(2.0, 4 * self._weight_interval)
+        limit = max(PACED_LIMIT_S, 4 * self._weight_interval)
+        asked = 0.0
         while self._ahead() and not self._stop.is_set():
             if self.sync_weights():
                 continue
-            if time.monotonic() - start > limit:
-                if not self._pacing_timeout_logged:
-                    self._pacing_timeout_logged = True
-                    logger.info(
-                        "worker %s: no newer weights for %.1f s while paced; generating anyway "
-                        "(logged once)",
-                        self.worker_id,
-                        limit,
-                    )
+            now = time.monotonic()
+            waited = now - start
+            if self.trainer_starved is not None and waited >= STARVED_S and now - asked >= 0.1:
+                asked = now
+                try:
+                    starved = self.trainer_starved()
+                except Exception:  # noqa: BLE001 - no answer: fall back to the plain bound
+                    self.trainer_starved = None
+                    starved = 0.0
+                if starved >= STARVED_S:
+                    self._log_pacing_once("the trainer is short of rollouts")
+                    break
+            bound = limit if self.trainer_starved is not None else fallback
+            if waited > bound:
+                self._log_pacing_once(f"no newer weights for {bound:.1f} s")
                 break
             self._stop.wait(0.005)
         return time.monotonic() - start
+
+    def _log_pacing_once(self, why: str) -> None:
+        if not self._pacing_timeout_logged:
+            self._pacing_timeout_logged = True
+            logger.info(
+                "worker %s: %s while paced; generating with the weights it has (logged once)",
+                self.worker_id,
+                why,
+            )
 
     # --- the loop -----------------------------------------------------------------------------
 

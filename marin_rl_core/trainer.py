@@ -499,6 +499,7 @@ class Trainer:
         self._published_step: int | None = None
         self.rollouts_read = 0
         self._stage, self._stage_since = "starting", time.monotonic()
+        self._last_read = self._stage_since  # when rollouts last arrived
 
     def _restore(self, path: Path, *, like: Any) -> tuple[dict[str, Any], Any]:
         """Read checkpoint ``path``: its state, the replay buffer it held, the trainer state."""
@@ -512,6 +513,15 @@ class Trainer:
         """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
         self._stage, self._stage_since = stage, time.monotonic()
         return self._stage_since
+
+    def starved_seconds(self) -> float:
+        """How long the trainer has been waiting for rollouts without any arriving (0 while it
+        trains, publishes or checkpoints). Paced rollout workers ask (thread-safe): a trainer
+        short of rollouts (some dropped, filtered or evicted) gets more without waiting for
+        newer weights that cannot come."""
+        if self._stage != "waiting for rollouts":
+            return 0.0
+        return time.monotonic() - max(self._stage_since, self._last_read)
 
     def diagnostics(self) -> dict[str, Any]:
         """What the watchdog reports when no step completes (thread-safe reads)."""
@@ -605,6 +615,7 @@ class Trainer:
                 )
             batches = self.reader.read_batches(max_batches=64, timeout=0.5)
             if batches:
+                self._last_read = time.monotonic()
                 self.rollouts_read += sum(len(b.rollouts) for b in batches)
                 for rollout in (r for b in batches for r in b.rollouts):
                     meta = rollout.metadata

@@ -94,22 +94,31 @@ class FlakyWriter:
             raise ConnectionError("storage unreachable")
 
 
-def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
+def flaky_worker(*overrides: str, writer=None, log=None):
+    """A rollout worker of the flaky env with the default curriculum, outside any job (no
+    weight client: weights of step 0 once it syncs)."""
     from marin_rl_core.rollout_worker import RolloutWorker
 
     registry = build_registry(modules=[flaky_plugin])
-    config = resolve_config(registry, selections={"env": "flaky"})
-    writer = FlakyWriter()
-    worker = RolloutWorker(
+    config = resolve_config(registry, selections={"env": "flaky"}, overrides=list(overrides))
+    curriculum = registry.get("curriculum", "default").build(
+        config.curriculum.config, config.curriculum.lessons
+    )
+    kwargs = {} if log is None else {"log": log}
+    return RolloutWorker(
         config,
         registry,
         worker_index=0,
         writer=writer,
         weight_client=None,
-        curriculum=registry.get("curriculum", "default").build(
-            config.curriculum.config, config.curriculum.lessons
-        ),
+        curriculum=curriculum,
+        **kwargs,
     )
+
+
+def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
+    writer = FlakyWriter()
+    worker = flaky_worker(writer=writer)
     batch, _ = worker.manager.sample_batch(
         "flaky", n_examples=2, n_generations=2, mode="train", seed=0, weight_step=0, worker_id="w"
     )
@@ -119,31 +128,54 @@ def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
     assert caplog.text.count("writing rollouts to storage failed") == 1, "logged once a minute"
 
 
+@pytest.mark.parametrize("trainer", ["busy", "starved", "gone"])
+def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer, monkeypatch):
+    """A worker that has made its share for its weights waits for newer ones while the trainer
+    trains (a first step compiling takes long; what it made meanwhile would be stale), goes on
+    once the trainer says it has waited with no rollouts arriving (it lost some it counted on),
+    and without an answer from the trainer goes on after the plain bound (2 s)."""
+    from marin_rl_core import rollout_worker
+
+    monkeypatch.setattr(rollout_worker, "STARVED_S", 0.2)
+    monkeypatch.setattr(rollout_worker, "PACED_LIMIT_S", 3.0)
+    worker = flaky_worker()
+    config = worker.config
+    worker.sync_weights()  # no weight client: weights of step 0
+    # All it may make with those weights: max_rollout_step_delay + 1 steps' worth.
+    worker._count_generated(
+        (config.replay_buffer.max_rollout_step_delay + 1) * config.trainer.batch_size
+    )
+    assert worker._ahead()
+    asked = []
+
+    def starved() -> float:
+        asked.append(time.monotonic())
+        if trainer == "gone":
+            raise ConnectionError("the trainer's actor died")
+        return 0.0 if trainer == "busy" else 5.0
+
+    worker.trainer_starved = starved
+    waited = worker._wait_until_not_ahead()
+    if trainer == "busy":
+        assert 3.0 <= waited < 5.0, "a busy trainer is waited for, up to the limit"
+        assert len(asked) > 10
+    elif trainer == "starved":
+        assert 0.2 <= waited < 1.5 and len(asked) == 1
+    else:
+        assert 2.0 <= waited < 3.0 and len(asked) == 1, "no answer: the plain 2 s bound"
+
+
 def test_an_eval_in_which_every_problem_failed_reports_no_score():
     """Not a reward of 0.0: that would tell the curriculum the lesson was forgotten."""
-    from marin_rl_core.rollout_worker import RolloutWorker
-
-    registry = build_registry(modules=[flaky_plugin])
-    config = resolve_config(
-        registry,
-        selections={"env": "flaky"},
-        overrides=["eval.n_examples=1", 'curriculum.lessons=[{id = "flaky", stop_threshold = 0.5}]'],
-    )
-    curriculum = registry.get("curriculum", "default").build(
-        config.curriculum.config, config.curriculum.lessons
-    )
-    curriculum.update_eval(LessonStats(lesson_id="flaky", mean_reward=1.0, n_rollouts=8, step=0))
-    assert curriculum.lesson_states() == {"flaky": "graduated"}
     logged: list[dict] = []
-    worker = RolloutWorker(
-        config,
-        registry,
-        worker_index=0,
-        writer=None,
-        weight_client=None,
-        curriculum=curriculum,
+    worker = flaky_worker(
+        "eval.n_examples=1",
+        'curriculum.lessons=[{id = "flaky", stop_threshold = 0.5}]',
         log=lambda metrics, *, step, source: logged.append(metrics),
     )
+    curriculum = worker.curriculum
+    curriculum.update_eval(LessonStats(lesson_id="flaky", mean_reward=1.0, n_rollouts=8, step=0))
+    assert curriculum.lesson_states() == {"flaky": "graduated"}
     # The built env, inside the one-step adapter the rollout side wraps single-turn envs in.
     worker.manager.env("flaky").env.score = lambda problem, response: 1 / 0  # every grade fails
     metrics = worker.evaluate()

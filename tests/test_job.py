@@ -28,6 +28,17 @@ SMALL = [
 ]
 
 
+def small_job(env: str, run_dir: Path, run_id: str, *overrides: str) -> RLJob:
+    """A job of the SMALL settings (and ``overrides``) on ``env``."""
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": env},
+        overrides=[*SMALL, f'run_dir="{run_dir}"', f'run_id="{run_id}"', *overrides],
+    )
+    return RLJob(config, registry)
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     import ray
@@ -140,20 +151,14 @@ def test_report_draws_the_reward_curve(first_run, cli):
 
 def test_a_multi_turn_job_trains_on_packed_rows_and_logs_its_turns(ray_session, tmp_path):
     """The guess game through the whole job, with several rollouts per training row."""
-    registry = build_registry()
-    config = resolve_config(
-        registry,
-        selections={"env": "guess"},
-        overrides=[
-            *SMALL,
-            f'run_dir="{tmp_path}"',
-            'run_id="game"',
-            "trainer.num_train_steps=3",
-            "trainer.pack_rollouts=true",
-            "replay_buffer.max_rollout_step_delay=1",
-        ],
-    )
-    result = RLJob(config, registry).run(progress=False)
+    result = small_job(
+        "guess",
+        tmp_path,
+        "game",
+        "trainer.num_train_steps=3",
+        "trainer.pack_rollouts=true",
+        "replay_buffer.max_rollout_step_delay=1",
+    ).run(progress=False)
     assert result.final_step == 3
     rows = read_metrics(tmp_path / "game")
     train = [r for r in rows if r["source"] == "train"]
@@ -165,3 +170,21 @@ def test_a_multi_turn_job_trains_on_packed_rows_and_logs_its_turns(ray_session, 
     turns = [t for s in samples for t in s["turns"]]
     assert {t["observation"] for t in turns} <= {"<", ">", "?", ""}
     assert any(t["observation"] in "<>?" and t["observation"] for t in turns)
+
+
+def test_a_trainer_short_of_rollouts_gets_more_from_a_paced_worker(ray_session, tmp_path):
+    """Pacing for half a batch per step, one batch of 32 per weight version, a trainer that
+    needs 64: the worker is ahead after each batch, and only the trainer's word that it is
+    short of rollouts (asked through its actor) lets it go on before newer weights come."""
+    result = small_job(
+        "mock",
+        tmp_path,
+        "starved",
+        "trainer.batch_size=64",
+        "trainer.num_train_steps=2",
+        "replay_buffer.max_generated_per_trained=0.5",
+    ).run(progress=False)
+    assert result.final_step == 2
+    log = (tmp_path / "starved" / "logs" / "rollout-0.log").read_text()
+    assert "the trainer is short of rollouts while paced" in log
+    assert "no newer weights for" not in log
