@@ -161,36 +161,23 @@ class RolloutWorker:
         return self.weight_step >= min_step
 
     def warm_up(self) -> float:
-        """Compile what the first batches need (the held-out eval of every lesson on worker 0,
-        a training batch of the first lesson) before the trainer is ready, on throw-away
-        problems: nothing is written, logged or told to the curriculum. Returns the seconds
-        it took; a failure here only logs a warning (the real batches will meet it again).
+        """Compile what the first batch needs (a training batch of the first lesson) before the
+        trainer is ready, on throw-away problems: nothing is written, logged or told to the
+        curriculum. Returns the seconds it took; a failure here only logs a warning (the real
+        batch will meet it again). The held-out eval is not warmed up: worker 0 runs it after
+        writing the batch of its step, while the trainer compiles and takes its first step.
 
         Only with the dense sampler, whose batches are cheap by construction and whose shapes
-        follow the batch: levanter's paged engine compiles its fixed shapes on first use, and
-        generating a real model's held-out eval twice could take minutes."""
+        follow the batch: levanter's paged engine compiles its fixed shapes on first use."""
         if self.manager.engine_kind != "dense":
             return 0.0
         start = time.monotonic()
         manager, config = self.manager, self.config
-        lessons = list(manager.lessons)
+        first = next(iter(manager.lessons))
         try:
-            if self.worker_index == 0:
-                for lesson_id in lessons:
-                    sampling = config.eval_sampling_for(manager.lessons[lesson_id])
-                    manager.sample_batch(
-                        lesson_id,
-                        n_examples=config.eval.n_examples,
-                        n_generations=sampling.n_generations_per_prompt,
-                        mode="eval",
-                        seed=config.seed + EVAL_SEED_OFFSET,
-                        weight_step=0,
-                        worker_id=self.worker_id,
-                        sampling=sampling,
-                    )
-            sampling = config.sampling_for(manager.lessons[lessons[0]])
+            sampling = config.sampling_for(manager.lessons[first])
             manager.sample_batch(
-                lessons[0],
+                first,
                 n_examples=sampling.n_prompts,
                 n_generations=sampling.n_generations_per_prompt,
                 mode="train",
