@@ -26,11 +26,13 @@ the registry and refuses to start if its plugins differ from the driver's. Ctrl-
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -565,12 +567,13 @@ class RLJob:
         cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
         ray_constants.ENABLE_RAY_CLUSTER = False
         try:
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                num_cpus=os.cpu_count() or 2,
-            )
+            with _without_head_extras():
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    num_cpus=os.cpu_count() or 2,
+                )
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
         address = ray.get_runtime_context().gcs_address
@@ -1088,6 +1091,42 @@ def _handle_sigterm() -> Any:
         return lambda: None
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _without_head_extras() -> Iterator[None]:
+    """Start a local Ray head without its HTTP API server and autoscaler monitor.
+
+    A job's own Ray instance needs neither: it has one node that never scales, no dashboard
+    (``include_dashboard=False`` still starts the API server, for usage statistics only) and no
+    job or state API clients. Both are Python processes that ``ray.init`` waits for one after
+    the other: ~3 s of the job's start-up on a 2-core machine (issue 11). Ray has no public
+    switch for them (``ray start --no-monitor`` is a hidden flag; the API server has none), so
+    this skips the two methods of Ray's ``Node`` that start them, for this call only; where a
+    Ray version lacks them, Ray starts as usual. Want the dashboard? Start a cluster with
+    ``ray start --head --include-dashboard=true`` and pass ``--ray-address``.
+    """
+    try:
+        from ray._private.node import Node
+    except ImportError:  # a Ray without this layout: start everything
+        yield
+        return
+    saved = {
+        name: Node.__dict__[name]
+        for name in ("start_api_server", "start_monitor")
+        if callable(Node.__dict__.get(name))
+    }
+    for name in saved:
+        setattr(Node, name, _skip_head_process)
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(Node, name, method)
+
+
+def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def _no_token_auth_notice(record: logging.LogRecord) -> bool:
