@@ -151,6 +151,55 @@ def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
+class _StepJit:
+    """levanter's train step (``Trainer._train_step``) compiled with ``eqx.filter_jit`` instead
+    of haliax's ``named_jit``, called like levanter calls its ``_jit_train_step_fn``.
+
+    ``named_jit`` works out the output shardings on every call: it flattens and hashes the whole
+    train state and evaluates the step's output shapes, ~8 ms of Python per step on the default
+    task (a quarter of the step on CPU). It needs none of that here: the step already constrains
+    its result to the parameter sharding (``hax.shard_with_axis_mapping`` at its end) and its
+    inputs arrive sharded, so XLA keeps the same layouts without being told. The state is
+    donated, as levanter's ``donate_args=(True,)`` does. ``tests/test_sharding.py`` checks the
+    result and the parameters' sharding on four devices against one."""
+
+    def __init__(self, step: Callable[..., Any], axis_mapping: Any):
+        import equinox as eqx
+        import haliax as hax
+
+        def body(inputs: tuple[Any, Any], state: Any) -> Any:
+            with hax.axis_mapping(axis_mapping):
+                return step(state, *inputs)
+
+        # Donate every argument but the first: the state, not the batch.
+        self._jit = eqx.filter_jit(body, donate="all-except-first")
+
+    def __call__(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
+        return self._jit((batch, batch_kwargs), state)
+
+    def lower(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
+        """JAX's ``Lowered`` step (``.compile().memory_analysis()``, ``.as_text()``)."""
+        return self._jit.lower((batch, batch_kwargs), state).lowered
+
+
+def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
+    """A ``levanter.trainer.Trainer`` whose train step is a :class:`_StepJit`."""
+    import functools
+
+    import levanter.trainer
+
+    trainer = levanter.trainer.Trainer(*args, **kwargs)
+    # levanter builds these lazily (cached properties); set them first. With hooks due (the
+    # gradient-norm watch runs every step) levanter calls the first, else the second.
+    trainer.__dict__["_jit_train_step_fn"] = _StepJit(
+        trainer._train_step, trainer.parameter_axis_mapping
+    )
+    trainer.__dict__["_jit_train_step_fn_no_hook"] = _StepJit(
+        functools.partial(trainer._train_step, _no_hooks=True), trainer.parameter_axis_mapping
+    )
+    return trainer
+
+
 class _CaptureTracker:
     """A levanter tracker that keeps the metrics levanter's train step logs, for our own rows."""
 
@@ -267,10 +316,9 @@ class Learner:
     def set_loss(self, loss_fn: Callable[..., Any]) -> None:
         """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` (a loss plugin's
         ``create_loss_fn`` result) from now on."""
-        import levanter.trainer
         from levanter.callbacks.watch import WatchCallback
 
-        self.trainer = levanter.trainer.Trainer(
+        self.trainer = _levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )
         # The global gradient norm (before clipping), as levanter's watch computes it.

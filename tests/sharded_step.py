@@ -102,6 +102,9 @@ def main() -> None:
             first = 2
         else:
             first = 1
+        layout = [
+            (x.sharding, x.ndim) for x in jax.tree.leaves(state.model) if hasattr(x, "sharding")
+        ]
         for step in range(first, 3):
             state, loss_value, metrics = learner.step(state, batch(step, config))
             out[f"{name}/loss{step}"] = np.asarray(loss_value)
@@ -116,6 +119,13 @@ def main() -> None:
             for x in jax.tree.leaves(state.model)
             if hasattr(x, "sharding")
         }
+        # A step gives the parameters back placed as they came in (a mesh axis of size 1 may
+        # drop out of a sharding's spec: the same placement, and no new compile).
+        after = [x.sharding for x in jax.tree.leaves(state.model) if hasattr(x, "sharding")]
+        out[f"{name}/same_layout"] = np.asarray(
+            len(after) == len(layout)
+            and all(a.is_equivalent_to(b, ndim) for a, (b, ndim) in zip(after, layout, strict=True))
+        )
         out[f"{name}/max_devices_per_leaf"] = np.asarray(max(shards))
         out[f"{name}/sharded"] = np.asarray(
             any(

@@ -73,6 +73,7 @@ def test_a_step_on_four_devices_equals_the_step_on_one(runs, layout):
     assert tuple(four[f"{layout}/sizes"]) == LAYOUTS[layout][1]
     # FSDP and tensor parallelism really split the parameters; data parallelism replicates them.
     assert bool(four[f"{layout}/sharded"]) == (layout != "dp")
+    assert bool(four[f"{layout}/same_layout"]), "a step changed the parameters' sharding"
     for step in (1, 2):
         np.testing.assert_allclose(four[f"{layout}/loss{step}"], one[f"base/loss{step}"], rtol=1e-5)
         np.testing.assert_allclose(
