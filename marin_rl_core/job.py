@@ -559,23 +559,14 @@ class RLJob:
             _no_token_auth_notice
         )
         # address="local": a new instance even where `ray start` left a cluster address behind
-        # (plain ray.init() would try to join that one). Ray's single-machine mode (its default
-        # on macOS and Windows) puts the node on 127.0.0.1, so every server of this instance
-        # listens on loopback only; Ray reads the switch when it picks the node's address.
-        from ray._private import ray_constants
-
-        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
-        ray_constants.ENABLE_RAY_CLUSTER = False
-        try:
-            with _without_head_extras():
-                ray.init(
-                    address="local",
-                    include_dashboard=False,
-                    log_to_driver=False,
-                    num_cpus=os.cpu_count() or 2,
-                )
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+        # (plain ray.init() would try to join that one).
+        with _lean_loopback_head():
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=os.cpu_count() or 2,
+            )
         address = ray.get_runtime_context().gcs_address
         if not address.startswith(("127.", "[::1]", "localhost")):
             logger.warning("the local Ray instance listens at %s, not on loopback only", address)
@@ -1094,35 +1085,36 @@ def _handle_sigterm() -> Any:
 
 
 @contextlib.contextmanager
-def _without_head_extras() -> Iterator[None]:
-    """Start a local Ray head without its HTTP API server and autoscaler monitor.
+def _lean_loopback_head() -> Iterator[None]:
+    """Settings of Ray for the job's own local instance, for one ``ray.init`` (put back after).
 
-    A job's own Ray instance needs neither: it has one node that never scales, no dashboard
-    (``include_dashboard=False`` still starts the API server, for usage statistics only) and no
-    job or state API clients. Both are Python processes that ``ray.init`` waits for one after
-    the other: ~3 s of the job's start-up on a 2-core machine (issue 11). Ray has no public
-    switch for them (``ray start --no-monitor`` is a hidden flag; the API server has none), so
-    this skips the two methods of Ray's ``Node`` that start them, for this call only; where a
-    Ray version lacks them, Ray starts as usual. Want the dashboard? Start a cluster with
-    ``ray start --head --include-dashboard=true`` and pass ``--ray-address``.
+    * Ray's single-machine mode (its default on macOS and Windows) puts the node on 127.0.0.1,
+      so every server of this instance listens on loopback only; Ray reads the switch
+      (``ray_constants.ENABLE_RAY_CLUSTER``) when it picks the node's address.
+    * No HTTP API server and no autoscaler monitor: one node that never scales, no dashboard
+      (``include_dashboard=False`` still starts the API server, for usage statistics only) and
+      no job or state API clients need neither. ``ray.init`` waits for both, one after the
+      other: ~3 s of the job's start-up on a 2-core machine (issue 11). Ray has no public switch
+      for them, so the two methods of Ray's ``Node`` that start them are skipped; where a Ray
+      version lacks them, Ray starts them as usual. Want the dashboard? Start a cluster with
+      ``ray start --head --include-dashboard=true`` and pass ``--ray-address``.
     """
-    try:
-        from ray._private.node import Node
-    except ImportError:  # a Ray without this layout: start everything
-        yield
-        return
-    saved = {
-        name: Node.__dict__[name]
+    from ray._private import node, ray_constants
+
+    saved = [(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)]
+    saved += [
+        (node.Node, name, node.Node.__dict__[name])
         for name in ("start_api_server", "start_monitor")
-        if callable(Node.__dict__.get(name))
-    }
-    for name in saved:
-        setattr(Node, name, _skip_head_process)
+        if name in node.Node.__dict__
+    ]
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    for owner, name, _ in saved[1:]:
+        setattr(owner, name, _skip_head_process)
     try:
         yield
     finally:
-        for name, method in saved.items():
-            setattr(Node, name, method)
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:
