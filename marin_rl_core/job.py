@@ -190,15 +190,40 @@ class _SetUpError:
             raise self._setup_error
 
 
-class TrainerService(_SetUpError):
-    """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up."""
+def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
+    """The job's actor named ``name`` (its metrics hub or curriculum).
 
-    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any):
+    The driver creates the trainer and rollout workers before these two, so that the two heavy
+    processes start in the worker processes Ray has already started (issue 11); Ray registers a
+    named actor before its creation call returns, so the name is there by the time a worker
+    asks. Waiting a little is only for safety; a name still missing is a job error."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise MarinRLError(
+                    f"the job's actor {name!r} did not appear within {timeout:.0f} s; the driver "
+                    "may have died while starting the job: run it again"
+                ) from None
+            time.sleep(0.05)
+
+
+class TrainerService(_SetUpError):
+    """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up.
+
+    Like :class:`RolloutService` it finds the job's curriculum and metrics hub by their names."""
+
+    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
         self._set_up(lambda: self._build(wc, storage, curriculum, hub))
 
-    def _build(self, wc: WorkerConfig, storage: Any, curriculum: Any, hub: Any) -> None:
+    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
         _worker_logging(wc.run_dir, "trainer")
         logger.info("trainer process %d", os.getpid())
+        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
         from marin_rl_core import compile_cache
         from marin_rl_core.trainer import Trainer
 
@@ -276,7 +301,7 @@ class RolloutService(_SetUpError):
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
 
-        curriculum, hub = ray.get_actor(curriculum_name), ray.get_actor(hub_name)
+        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
 
         logger.info(
             "rollout worker %d process %d on node %s (%s)",
@@ -680,22 +705,16 @@ class RLJob:
         try:
             names = {role: f"marinrl-{self.run_id}-{os.urandom(4).hex()}-{role}" for role in
                      ("hub", "curriculum")}  # fmt: skip
-            hub = (
-                ray.remote(MetricsHub)
-                .options(num_cpus=0, name=names["hub"])
-                .remote(str(self.run_dir), config.logging.tracker, self.run_id)
-            )
-            curriculum = (
-                ray.remote(CurriculumService)
-                .options(num_cpus=0, name=names["curriculum"])
-                .remote(trainer_wc)
-            )
+            # The trainer and rollout workers first: Ray starts as many worker processes as the
+            # node has CPUs as soon as the driver connects, and the first actors created get
+            # them (~0.5 s sooner than a new process on a 2-core machine). The hub and the
+            # curriculum follow; the workers find them by name.
             trainer = (
                 ray.remote(TrainerService)
                 .options(**config.resources.trainer.ray_options(), max_concurrency=4)
-                .remote(trainer_wc, storage, curriculum, hub)
+                .remote(trainer_wc, storage, names["curriculum"], names["hub"])
             )
-            actors += [hub, curriculum, trainer]
+            actors.append(trainer)
             # The rollout workers set up (model, sampler, envs) while the trainer does; they
             # connect to its weight server when they are handed their run.
             rollouts = [
@@ -710,6 +729,17 @@ class RLJob:
                 for wc in rollout_wcs
             ]
             actors += rollouts
+            hub = (
+                ray.remote(MetricsHub)
+                .options(num_cpus=0, name=names["hub"])
+                .remote(str(self.run_dir), config.logging.tracker, self.run_id)
+            )
+            curriculum = (
+                ray.remote(CurriculumService)
+                .options(num_cpus=0, name=names["curriculum"])
+                .remote(trainer_wc)
+            )
+            actors += [hub, curriculum]
             try:
                 info = ray.get(trainer.ready.remote())
             except ray.exceptions.RayActorError as exc:
@@ -1091,20 +1121,24 @@ def _lean_loopback_head() -> Iterator[None]:
     * Ray's single-machine mode (its default on macOS and Windows) puts the node on 127.0.0.1,
       so every server of this instance listens on loopback only; Ray reads the switch
       (``ray_constants.ENABLE_RAY_CLUSTER``) when it picks the node's address.
-    * No HTTP API server and no autoscaler monitor: one node that never scales, no dashboard
-      (``include_dashboard=False`` still starts the API server, for usage statistics only) and
-      no job or state API clients need neither. ``ray.init`` waits for both, one after the
-      other: ~3 s of the job's start-up on a 2-core machine (issue 11). Ray has no public switch
-      for them, so the two methods of Ray's ``Node`` that start them are skipped; where a Ray
-      version lacks them, Ray starts them as usual. Want the dashboard? Start a cluster with
-      ``ray start --head --include-dashboard=true`` and pass ``--ray-address``.
+    * No HTTP API server, no autoscaler monitor and no log monitor: one node that never scales,
+      no dashboard (``include_dashboard=False`` still starts the API server, for usage
+      statistics only) and no job or state API clients need the first two, and the log monitor
+      only copies workers' output to drivers that ask for it (``log_to_driver``), which the
+      job's driver does not (each worker logs to ``run_dir/logs``). ``ray.init`` waits for the
+      first two one after the other, and the log monitor's start competes for the CPU with the
+      raylet's: together ~4 s of the job's start-up on a 2-core machine (issue 11). Ray has no
+      public switch for them, so the three methods of Ray's ``Node`` that start them are
+      skipped; where a Ray version lacks one, Ray starts that process as usual. Want the
+      dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
+      ``--ray-address``.
     """
     from ray._private import node, ray_constants
 
     saved = [(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)]
     saved += [
         (node.Node, name, node.Node.__dict__[name])
-        for name in ("start_api_server", "start_monitor")
+        for name in ("start_api_server", "start_monitor", "start_log_monitor")
         if name in node.Node.__dict__
     ]
     ray_constants.ENABLE_RAY_CLUSTER = False

@@ -559,7 +559,8 @@ for p in [me, *procs.values()]:
             listening.add(c.laddr.ip)
 commands = [" ".join(p.cmdline()) for p in procs.values()]
 from ray._private.node import Node
-restored = Node.start_monitor.__name__ == "start_monitor" and Node.start_api_server.__name__ == "start_api_server"
+restored = all(getattr(Node, name).__name__ == name
+               for name in ("start_monitor", "start_api_server", "start_log_monitor"))
 job._stop_ray()
 print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AUTH_MODE"),
                   "commands": commands, "restored": restored}))
@@ -567,8 +568,9 @@ print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AU
 
 
 def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
-    """...and starts no API server or autoscaler monitor: a one-node job needs neither, and
-    waiting for them took ~3 s of its start-up (issue 11)."""
+    """...and starts no API server, autoscaler monitor or log monitor: a one-node job whose
+    workers log to the run directory needs none, and starting them took ~4 s of its start-up
+    (issue 11)."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     proc = subprocess.run(
         [sys.executable, "-c", LOOPBACK_PROBE], capture_output=True, text=True, timeout=300,
@@ -582,7 +584,11 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     assert "Token authentication" not in proc.stderr
     commands = "\n".join(found["commands"])
     assert "raylet" in commands and "gcs_server" in commands, commands
-    for extra in ("ray/dashboard/dashboard.py", "ray/autoscaler/_private/monitor.py"):
+    for extra in (
+        "ray/dashboard/dashboard.py",
+        "ray/autoscaler/_private/monitor.py",
+        "ray/_private/log_monitor.py",
+    ):
         assert extra not in commands, commands
     assert found["restored"], "Ray's Node methods are put back after the job's ray.init"
 
