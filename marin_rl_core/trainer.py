@@ -393,6 +393,18 @@ class Learner:
             stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
         )
 
+    def warm_up(self, state: Any, batch: Any) -> None:
+        """Trace and lower the step for ``(state, batch)``'s shapes, so that a first
+        :meth:`step` on a batch of these shapes finds its jaxpr and MLIR already made and only
+        compiles (or loads from the compilation cache). Runs nothing, donates nothing, and
+        compiles nothing that a batch of other shapes would leave unused."""
+        import haliax as hax
+
+        with self._context():
+            batch = hax.shard(batch, self.compute_axis_mapping)
+            # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
+            self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
+
     def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
         """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""
         import haliax as hax
@@ -682,13 +694,12 @@ class Trainer:
         unit = t.microbatch_size or self.learner.sizes["batch_shards"]
         return math.lcm(max(1, t.batch_size // 8), unit)
 
-    def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
-        """One optimizer step on ``rollouts``; returns its metrics (host floats)."""
+    def _training_batch(self, rollouts: list[Rollout], advantages: np.ndarray) -> Any:
         from marin_rl_core.training_batch import training_batch_from_rollouts
 
         # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
         temperature = [self._temperature[r.lesson_id] for r in rollouts]
-        batch = training_batch_from_rollouts(
+        return training_batch_from_rollouts(
             rollouts,
             advantages,
             self.config.model.max_seq_len,
@@ -699,6 +710,41 @@ class Trainer:
             row_multiple=self._row_multiple,
             trim=self.config.trainer.trim_rows,
         )
+
+    def _start_warm_up(self) -> threading.Thread | None:
+        """Trace the train step in the background while the first rollouts are generated: the
+        first step otherwise spends ~1 s of a 2-core machine tracing and lowering it after
+        they arrive (issue 11). The shapes are those of a batch whose rollouts all fit the
+        shortest trimmed row (8 tokens: short answers, as the default task has) or, with
+        ``trim_rows`` off, of every batch; packed batches vary in rows, so they get none. A
+        first batch of other shapes traces its own step as before: what the warm-up made goes
+        unused, and no XLA compile is wasted on it (see :meth:`Learner.warm_up`)."""
+        if self.config.trainer.pack_rollouts:
+            return None
+        batch = self._training_batch([], np.zeros(0, np.float32))
+        state = self.state
+
+        def warm_up() -> None:
+            start = time.monotonic()
+            try:
+                self.learner.warm_up(state, batch)
+            except Exception:  # the first real step reports what is wrong, with its batch
+                logger.debug("train step warm-up failed", exc_info=True)
+                return
+            logger.info(
+                "train step traced in %.1f s for batches of %s rows x %s positions",
+                time.monotonic() - start,
+                batch.Batch.size,
+                batch.Pos.size,
+            )
+
+        thread = threading.Thread(target=warm_up, name="marinrl-step-warm-up", daemon=True)
+        thread.start()
+        return thread
+
+    def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
+        """One optimizer step on ``rollouts``; returns its metrics (host floats)."""
+        batch = self._training_batch(rollouts, advantages)
         start = self._enter("in a training step")
         state, loss, out = self.learner.step(self.state, batch)
         seconds = time.monotonic() - start
@@ -754,6 +800,7 @@ class Trainer:
         total = self.config.trainer.num_train_steps
         t = self.config.trainer
         self.publish()
+        warm_up = self._start_warm_up() if self.step < total else None
         # Seconds per stage, summed over the steps since the last logged row: each row holds
         # their means per step, so rows average to the true split whatever log_every is.
         stages: dict[str, float] = dict.fromkeys(STAGE_KEYS, 0.0)
@@ -763,6 +810,9 @@ class Trainer:
             if got is None:
                 break
             rollouts, advantages, waited = got
+            if warm_up is not None:  # never trace the same step twice at once
+                warm_up.join()
+                warm_up = None
             metrics = self.train_one_step(rollouts, advantages)
             self.replay.set_current_step(self.step)
             metrics.update(

@@ -1,0 +1,70 @@
+"""The learner's train step warm-up: the first step on a batch of the warmed-up shapes does not
+trace the step again (issue 11: tracing it after the first rollouts arrived cost ~1 s of
+start-up on a 2-core machine)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.tokenizer import model_tokenizer
+from marin_rl_core.trainer import Learner, initial_model
+from marin_rl_core.training_batch import training_batch_from_rollouts
+from marin_rl_core.types import Rollout
+
+
+def short_rollouts(n: int, tok, response_len: int) -> list[Rollout]:
+    rng = np.random.default_rng(0)
+    prompt = np.asarray(tok.encode("3+4=", add_bos=True), np.int32)
+    return [
+        Rollout.single_turn(
+            env_name="math",
+            lesson_id="add_1digit",
+            problem_id=str(i),
+            prompt_tokens=prompt,
+            response_tokens=rng.integers(3, 12, size=response_len).astype(np.int32),
+            response_logprobs=-rng.uniform(1.0, 3.0, size=response_len).astype(np.float32),
+            reward=float(i % 2),
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math", "loss": "rloo"},
+        overrides=["trainer.batch_size=8", "model.max_seq_len=16", "loss.kl_coef=0.0"],
+    )
+    tok = model_tokenizer(config.model)
+    model = initial_model(config, tok)
+    learner = Learner(config.trainer)
+    loss = registry.get("loss", "rloo").build(config.loss.config).build(None)
+    inner = loss.create_loss_fn(None, model)
+    traces = []
+
+    def counted(model, batch, *, key):  # runs in Python only while JAX traces the step
+        traces.append(batch.input_ids.array.shape)
+        return inner(model, batch, key=key)
+
+    learner.set_loss(counted)
+    state = learner.init_state(model, key=jax.random.PRNGKey(0))
+
+    def batch_of(rollouts):
+        return training_batch_from_rollouts(
+            rollouts, np.linspace(-1, 1, len(rollouts)), config.model.max_seq_len, tok.pad_id,
+            batch_size=8, trim=True,
+        )  # fmt: skip
+
+    # What the trainer warms up with: a batch of no rollouts, the shapes of short ones.
+    learner.warm_up(state, batch_of([]))
+    assert traces == [(8, 8)]
+    state, loss_value, _ = learner.step(state, batch_of(short_rollouts(8, tok, 3)))
+    assert np.isfinite(loss_value)
+    assert traces == [(8, 8)], "the first step traced its step again"
+    # Longer rollouts make rows of 16 positions: a step of new shapes traces (the counter works).
+    learner.step(state, batch_of(short_rollouts(8, tok, 8)))
+    assert traces == [(8, 8), (8, 16)]
