@@ -382,13 +382,8 @@ class Learner:
     def peak_memory_bytes(self, state: Any, batch: Any) -> int:
         """XLA's peak memory estimate of one compiled step on ``(state, batch)``: temporaries,
         arguments and outputs, per device (for ``bench/step_time.py``)."""
-        import haliax as hax
-
         with self._context():
-            batch = hax.shard(batch, self.compute_axis_mapping)
-            # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
-            lowered = self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
-            stats = lowered.compile().memory_analysis()
+            stats = self._lower(state, batch).compile().memory_analysis()
         return int(
             stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
         )
@@ -398,12 +393,16 @@ class Learner:
         :meth:`step` on a batch of these shapes finds its jaxpr and MLIR already made and only
         compiles (or loads from the compilation cache). Runs nothing, donates nothing, and
         compiles nothing that a batch of other shapes would leave unused."""
+        with self._context():
+            self._lower(state, batch)
+
+    def _lower(self, state: Any, batch: Any) -> Any:
+        """JAX's ``Lowered`` train step for ``(state, batch)`` (inside :meth:`_context`)."""
         import haliax as hax
 
-        with self._context():
-            batch = hax.shard(batch, self.compute_axis_mapping)
-            # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
-            self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
+        batch = hax.shard(batch, self.compute_axis_mapping)
+        # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
+        return self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
 
     def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
         """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""
