@@ -47,6 +47,7 @@ import numpy as np
 
 from marin_rl_core.config import EpisodesConfig
 from marin_rl_core.protocols import Env, Episode, MultiTurnEnv
+from marin_rl_core.tokenizer import response_stop_ids
 from marin_rl_core.types import Action, Problem, Rollout, SamplingParams, Step, as_score
 
 logger = logging.getLogger(__name__)
@@ -214,7 +215,6 @@ class EpisodeRunner:
         tokenizer: encodes observations and decodes actions.
         use_chat_template: render chat observations through the tokenizer's chat template.
         max_seq_len: the most tokens of one episode's sample.
-        stop_ids: the tokenizer's stop tokens (removed from an action's text).
     """
 
     def __init__(
@@ -338,19 +338,21 @@ class EpisodeRunner:
         *,
         n: int,
         sampling: SamplingParams,
-        stop_tokens: Sequence[int],
         seed: int,
         limits: EpisodesConfig,
         env_name: str,
         lesson_id: str,
     ) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
         """Run ``n`` episodes of each problem (``prompts[i]`` its prompt tokens), sampling with
-        ``sampling`` (``stop_tokens``: every token that ends an action).
+        ``sampling``. Every action ends at one of
+        :func:`~marin_rl_core.tokenizer.response_stop_ids` (EOS, the template's end of turn, the
+        checkpoint's and the lesson's stops) or at ``sampling.max_tokens``.
 
         Returns ``results[i][k]`` for the ``k``-th episode of problem ``i`` and timing metrics:
         ``generate_seconds`` (time in generation calls) and ``generate_calls``.
         """
-        stop_set = set(int(t) for t in stop_tokens) | set(self.tokenizer.stop_ids)
+        stop_tokens = response_stop_ids(self.tokenizer, sampling.stop_tokens)
+        stop_set = set(stop_tokens)
         now = time.monotonic()
         deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
         lives = [
@@ -379,7 +381,7 @@ class EpisodeRunner:
                     self.engine.generate,
                     temperature=sampling.temperature,
                     max_tokens=sampling.max_tokens,
-                    stop_tokens=sampling.stop_tokens,
+                    stop_tokens=stop_tokens,
                     **kwargs,
                 )
             )

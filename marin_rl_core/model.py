@@ -178,6 +178,23 @@ class _Quiet(logging.Filter):
         self._logger.removeFilter(self)
 
 
+def _rope_settings(path: str | Path) -> dict[str, Any]:
+    """``rope_theta`` (and ``rope_scaling``) of a ``config.json`` written by ``transformers`` 5,
+    which keeps them in ``rope_parameters``: ``transformers`` 4 would ignore that key and give
+    the model its default theta (10,000 where Qwen3 uses 1,000,000), silently wrong."""
+    import json
+
+    raw = json.loads((Path(path) / "config.json").read_text())
+    rope = raw.get("rope_parameters")
+    if not isinstance(rope, dict) or "rope_theta" in raw or "rope_theta" not in rope:
+        return {}
+    rope = dict(rope)
+    settings: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta"))}
+    if rope.get("rope_type", "default") != "default":
+        settings["rope_scaling"] = rope
+    return settings
+
+
 def load_hf_checkpoint(
     spec: str | Path,
     *,
@@ -215,7 +232,7 @@ def load_hf_checkpoint(
         HfConfigClass=hf_config_cls,
         tokenizer=tokenizer.to_hf(),
     )
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **_rope_settings(path))
     if info.model_type == "qwen2" and not hasattr(hf_config, "no_bias"):
         # levanter's QwenConfig reads a `no_bias` flag (for its MLP) that transformers'
         # Qwen2Config lacks; Qwen2's MLP has no bias.

@@ -75,6 +75,7 @@ class RolloutManager:
         curriculum: CurriculumPolicy | None = None,
     ):
         from marin_rl_core.inference import choose_engine, make_sampler
+        from marin_rl_core.tokenizer import response_stop_ids
 
         self.config = config
         self.registry = registry
@@ -98,7 +99,7 @@ class RolloutManager:
             ]
         )
         stops = {
-            len(self._stop_tokens(sampling))
+            len(response_stop_ids(tokenizer, sampling.stop_tokens))
             for lesson in self.lessons.values()
             for sampling in (config.sampling_for(lesson), config.eval_sampling_for(lesson))
         }
@@ -175,10 +176,6 @@ class RolloutManager:
             else:
                 self._envs[lesson_id] = as_multi_turn(build(env_config))
         return self._envs[lesson_id]
-
-    def _stop_tokens(self, sampling: SamplingParams) -> list[int]:
-        """The tokenizer's stop tokens (EOS, the chat template's end of turn) and the lesson's."""
-        return list(dict.fromkeys([*self.tokenizer.stop_ids, *sampling.stop_tokens]))
 
     def _env_error(self, lesson_id: str, what: str, exc: Exception) -> None:
         if lesson_id not in self._errors_logged:
@@ -274,7 +271,6 @@ class RolloutManager:
                 prompts,
                 n=n_generations,
                 sampling=sampling,
-                stop_tokens=self._stop_tokens(sampling),
                 seed=seed,
                 limits=self.config.episodes,
                 env_name=env_name,

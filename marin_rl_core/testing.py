@@ -277,6 +277,8 @@ def write_tiny_hf_checkpoint(
     max_position_embeddings: int = 128,
     hidden_size: int = 32,
     num_layers: int = 2,
+    rope_theta: float = 10000.0,
+    layout: str = "transformers4",
 ) -> Any:
     """Write a tiny random Hugging Face causal LM checkpoint with ``transformers`` (needs torch):
     ``num_layers`` layers (2), hidden size ``hidden_size`` (32), 4 query and 2 key/value heads, a
@@ -285,7 +287,9 @@ def write_tiny_hf_checkpoint(
     :func:`tiny_chat_tokenizer` with the family's chat template. Qwen3 ties its embeddings, as
     the small Qwen3 models do. Returns the directory.
 
-    ``model_type``: ``"llama"``, ``"qwen2"`` or ``"qwen3"``.
+    ``model_type``: ``"llama"``, ``"qwen2"`` or ``"qwen3"``. ``layout="transformers5"`` rewrites
+    the files the way ``transformers`` 5 saves them (:func:`as_transformers5_layout`), which users'
+    fine-tuned checkpoints have while levanter pins ``transformers < 5``.
     """
     from pathlib import Path
 
@@ -309,6 +313,7 @@ def write_tiny_hf_checkpoint(
         # Larger than the usual 0.02 so logits differ visibly between positions and models.
         initializer_range=0.2,
         tie_word_embeddings=model_type == "qwen3",
+        rope_theta=rope_theta,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -323,6 +328,49 @@ def write_tiny_hf_checkpoint(
         eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(end_of_turn)],
         pad_token_id=tokenizer.pad_token_id,
     ).save_pretrained(str(path))
+    if layout == "transformers5":
+        as_transformers5_layout(path)
+    elif layout != "transformers4":
+        raise ValueError(f"layout {layout!r}: choose transformers4 or transformers5")
+    return path
+
+
+def as_transformers5_layout(path: Any) -> Any:
+    """Rewrite a checkpoint saved by ``transformers`` 4 the way ``transformers`` 5 (checked with
+    5.24) saves the same model and tokenizer: ``tokenizer_config.json`` names the class
+    ``TokenizersBackend`` (unknown to transformers 4), lists ``extra_special_tokens`` instead of
+    ``additional_special_tokens`` and has no ``added_tokens_decoder`` (the added tokens are in
+    ``tokenizer.json``); the chat template is in ``chat_template.jinja``; ``config.json`` keeps
+    RoPE's settings in ``rope_parameters`` instead of ``rope_theta``/``rope_scaling``. Returns
+    the directory."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    tok_file = path / "tokenizer_config.json"
+    tok = json.loads(tok_file.read_text())
+    template = tok.pop("chat_template", None)
+    if isinstance(template, str):
+        (path / "chat_template.jinja").write_text(template)
+    specials = tok.pop("additional_special_tokens", [])
+    for key in ("added_tokens_decoder", "extra_special_tokens", "clean_up_tokenization_spaces"):
+        tok.pop(key, None)
+    tok.update(
+        backend="tokenizers", tokenizer_class="TokenizersBackend", extra_special_tokens=specials
+    )
+    tok_file.write_text(json.dumps(tok, indent=2))
+    (path / "special_tokens_map.json").unlink(missing_ok=True)
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    rope = {"rope_theta": config.pop("rope_theta", 10000.0), "rope_type": "default"}
+    scaling = config.pop("rope_scaling", None)
+    if scaling:
+        rope.update(scaling)
+    config["rope_parameters"] = rope
+    if "torch_dtype" in config:
+        config["dtype"] = config.pop("torch_dtype")
+    config["transformers_version"] = "5.24.0"
+    config_file.write_text(json.dumps(config, indent=2))
     return path
 
 
@@ -342,6 +390,7 @@ def check_plugin(record: PluginRecord) -> None:
 
 __all__ = [
     "CHAT_TEMPLATES",
+    "as_transformers5_layout",
     "CHECKS",
     "check_config_class",
     "check_curriculum",

@@ -319,6 +319,40 @@ def _generation_eos_ids(path: Path) -> list[int]:
     return [int(e) for e in eos if isinstance(e, int)] if isinstance(eos, list) else []
 
 
+TRANSFORMERS5_TOKENIZER_CLASSES = ("TokenizersBackend",)
+"""``tokenizer_class`` names that ``transformers`` 5 writes and ``transformers`` 4 does not know."""
+
+
+def _load_hf_tokenizer(path: Path) -> Any:
+    """``AutoTokenizer.from_pretrained`` of a local directory, also for a tokenizer saved by
+    ``transformers`` 5 (class ``TokenizersBackend``, ``extra_special_tokens`` as a list, the
+    chat template in ``chat_template.jinja``): its ``tokenizer.json`` is read as a
+    ``PreTrainedTokenizerFast``, with the same vocabulary, special tokens and template."""
+    import json
+    import logging
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    if config.get("tokenizer_class") not in TRANSFORMERS5_TOKENIZER_CLASSES:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    kwargs: dict[str, Any] = {}
+    extra = config.get("extra_special_tokens")
+    if isinstance(extra, list):  # transformers 4 wants a {name: token} mapping there
+        kwargs.update(extra_special_tokens={}, additional_special_tokens=extra)
+    # transformers warns that the class differs from the one the config names: intended here.
+    quiet = logging.getLogger("transformers.tokenization_utils_base")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, **kwargs)
+    finally:
+        quiet.setLevel(level)
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
     """The tokenizer ``spec`` names.
 
@@ -349,10 +383,8 @@ def load_tokenizer(spec: str) -> Tokenizer:
                 "or the path of a Hugging Face tokenizer directory."
             )
         path = checkpoint_dir(spec)
-    from transformers import AutoTokenizer
-
     try:
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        hf = _load_hf_tokenizer(path)
     except Exception as exc:  # transformers raises OSError, ValueError, TypeError ... here
         raise ValueError(
             f"could not load a Hugging Face tokenizer from {str(path)!r} ({type(exc).__name__}: "
@@ -373,6 +405,19 @@ def model_tokenizer(config: ModelConfig) -> Tokenizer:
     from marin_rl_core.pretrained import checkpoint_dir
 
     return load_tokenizer(str(checkpoint_dir(config.checkpoint)))
+
+
+def response_stop_ids(tokenizer: Tokenizer, lesson_stops: Iterable[int] = ()) -> tuple[int, ...]:
+    """Every id that ends a sampled response, EOS first: the tokenizer's :attr:`Tokenizer.stop_ids`
+    (EOS, the chat template's end of turn, a checkpoint's ``generation_config.json`` EOS ids)
+    and a lesson's own ``sampling.stop_tokens``.
+
+    The one source of truth for stop ids: every sampler call (training, eval, multi-turn
+    episodes) and the engine's capacity (``max_stop_tokens``) come from it. A Qwen model whose
+    EOS is ``<|endoftext|>`` must still stop at ``<|im_end|>``: a response that runs past the end
+    of its turn is graded on text the model invented after it.
+    """
+    return tuple(dict.fromkeys([*map(int, tokenizer.stop_ids), *map(int, lesson_stops)]))
 
 
 def encode_prompt(
@@ -409,4 +454,5 @@ __all__ = [
     "encode_prompt",
     "load_tokenizer",
     "model_tokenizer",
+    "response_stop_ids",
 ]

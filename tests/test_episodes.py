@@ -527,3 +527,62 @@ def test_a_template_that_rewrites_the_past_splits_the_episode_into_parts(tiny_qw
     advantages = episode_advantages(RLOOLoss(RLOOConfig()), group)
     assert advantages.shape == (len(group.rollouts),)
     np.testing.assert_allclose(advantages, 0.0)  # every episode earned 0.5
+
+
+# --- stop ids: the sampler ends a response where the chat template ends the turn -----------------
+
+
+@pytest.fixture(scope="module")
+def uniform_qwen2(tmp_path_factory):
+    """A Qwen2 checkpoint whose EOS (``<eos>``) is not its template's end of turn
+    (``<|im_end|>``), as in Qwen2.5/Qwen3, with a zero LM head: every token is equally likely, so
+    the end of turn is sampled now and then and nothing else stops a response early."""
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+    path = write_tiny_hf_checkpoint(tmp_path_factory.mktemp("uniform") / "qwen2", "qwen2")
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+    model.save_pretrained(str(path), safe_serialization=True)
+    eos = AutoTokenizer.from_pretrained(str(path)).eos_token_id
+    GenerationConfig(eos_token_id=eos).save_pretrained(str(path))  # the end of turn only in the template
+    return path
+
+
+@pytest.mark.parametrize("engine", ["dense", "paged"])
+def test_responses_end_at_the_templates_end_of_turn_when_eos_is_another_token(
+    uniform_qwen2, engine
+):
+    manager, _ = _manager(
+        "math",
+        overrides=[
+            f'model.checkpoint="{uniform_qwen2}"',
+            'model.inference_dtype="float32"',
+            f'model.inference_engine="{engine}"',
+            "model.max_seq_len=64",
+            "sampling.max_tokens=32",
+            "eval.sampling.max_tokens=32",
+            'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
+        ],
+    )
+    tokenizer = manager.tokenizer
+    end_of_turn = tokenizer.to_hf().convert_tokens_to_ids("<|im_end|>")
+    assert end_of_turn != tokenizer.eos_id and end_of_turn in tokenizer.stop_ids
+    batch, _ = manager.sample_batch(
+        "add", n_examples=8, n_generations=8, mode="train", seed=0, weight_step=0, worker_id="w"
+    )
+    stops = set(tokenizer.stop_ids)
+    ended_at_end_of_turn = 0
+    for rollout in batch.rollouts:
+        response = rollout.response_tokens.tolist()
+        # A stop id may only be a response's last token; a response that ends at one is complete.
+        assert not stops & set(response[:-1]), tokenizer.decode(response)
+        if response and response[-1] in stops:
+            assert not rollout.truncated
+            ended_at_end_of_turn += response[-1] == end_of_turn
+        else:
+            assert rollout.truncated and len(response) == 32
+    assert ended_at_end_of_turn >= 3, "the uniform policy samples <|im_end|> now and then"

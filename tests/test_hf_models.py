@@ -206,6 +206,41 @@ def test_the_guide_trains_a_local_checkpoint_on_jsonl_and_exports_it(
     )
 
 
+def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, tmp_path):
+    """Users save fine-tuned checkpoints with transformers 5 while levanter pins transformers < 5:
+    its tokenizer class (``TokenizersBackend``), its template in ``chat_template.jinja`` and its
+    ``rope_parameters`` (RoPE theta 1e6, as Qwen3's; read as the default 1e4 it would silently
+    change every logit) load as the same checkpoint written by transformers 4 does."""
+    from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+    old = write_tiny_hf_checkpoint(tmp_path / "v4", "qwen3", rope_theta=1e6)
+    new = write_tiny_hf_checkpoint(
+        tmp_path / "v5", "qwen3", rope_theta=1e6, layout="transformers5"
+    )
+    assert json.loads((new / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "TokenizersBackend"
+    )
+    tokenizer = model_tokenizer(ModelConfig(checkpoint=str(new)))
+    reference = model_tokenizer(ModelConfig(checkpoint=str(old)))
+    assert tokenizer.chat_template == reference.chat_template
+    assert tokenizer.stop_ids == reference.stop_ids and len(reference.stop_ids) == 2
+    problem = Problem(id="p", prompt="3+4=")
+    assert encode_prompt(tokenizer, problem) == encode_prompt(reference, problem)
+    model = build_model(ModelConfig(checkpoint=str(new)), tokenizer, key=jax.random.PRNGKey(0))
+    rows = prompt_rows(old)
+    np.testing.assert_allclose(
+        levanter_logits(model, rows), transformers_logits(old, rows), atol=2e-4, rtol=1e-4
+    )
+
+    result = cli(
+        "run", "--model", str(new), *SMALL_JOB, "--set", f'run_dir="{tmp_path}"', "--run-id", "v5",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    exported = cli("export", str(tmp_path / "v5"), str(tmp_path / "v5-export"))
+    assert exported.exit_code == 0, exported.output
+    check_trained_and_exported(old, tmp_path / "v5", tmp_path / "v5-export", "qwen3")
+
+
 # About 75 s each here, so with `nox -s slow`; the guide's test above covers Qwen3.
 @pytest.mark.slow
 @pytest.mark.parametrize(("family", "precision"), [("llama", "bf16"), ("qwen2", "bf16-params")])
