@@ -65,7 +65,7 @@ def main() -> None:
     from marin_rl_core.model import next_token_logprobs
     from marin_rl_core.rollout_manager import RolloutManager
     from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import Learner, initial_model
+    from marin_rl_core.trainer import Learner, initial_model, plugin_loss_fn
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     registry = build_registry()
@@ -93,11 +93,13 @@ def main() -> None:
     from levanter.inference.engine import InferenceEngine, Request
     from levanter.inference.jit_scheduler import SeqDecodingParams
 
+    from marin_rl_core.tokenizer import response_stop_ids
+
     engine = manager._engine
     bare = InferenceEngine.from_model_with_config(
         model=engine.model, tokenizer=None, config=engine._config
     )
-    stops = list(dict.fromkeys([tokenizer.eos_id, *manager._stop_tokens(sampling)]))
+    stops = list(response_stop_ids(tokenizer, sampling.stop_tokens))
     stop_array = hax.named(
         jnp.asarray([[t] for t in stops], dtype=jnp.int32), ("stop_seq", "position")
     )
@@ -225,7 +227,7 @@ def main() -> None:
     reference = None
     if loss_module.needs_reference_model:
         reference = rl_learner.shard(rl_learner.mp.cast_to_compute(copy(model)))
-    rl_learner.set_loss(loss_module.build(reference).create_loss_fn(reference, model))
+    rl_learner.set_loss(plugin_loss_fn(loss_module.build(reference)), reference=reference)
     ce_learner = Learner(config.trainer, hf_checkpoint=hf)
     ce_learner.set_loss(ce_loss)
 

@@ -98,7 +98,8 @@ class RLLossModule(Protocol):
 
     Lifecycle: the trainer calls ``build(reference_model)`` once and uses the returned module;
     the replay buffer calls ``compute_advantages`` as rollouts arrive; the trainer calls
-    ``create_loss_fn`` once and jits the result.
+    ``create_loss_fn`` inside its compiled step, each time that step is traced, with the
+    reference model the step receives as an argument.
     """
 
     @property
@@ -118,7 +119,12 @@ class RLLossModule(Protocol):
     def create_loss_fn(self, reference_model: Any, train_model: Any) -> Callable[..., Any]:
         """Return ``loss_fn(model, batch, *, key) -> (loss, metrics)``, a pure JAX function of
         the trainable model and a :class:`~marin_rl_core.training_batch.TrainingBatch`.
-        ``train_model`` is the initial policy, for losses that need its structure."""
+        ``train_model`` is the policy being trained, for losses that need its structure.
+
+        Called while the train step is traced, with ``reference_model`` a traced, sharded
+        argument of that step (``None`` unless ``needs_reference_model``): use the model given
+        here, never one kept from ``build``, which would be compiled into the step as constants.
+        Keep it cheap and free of side effects."""
         ...
 
 

@@ -182,6 +182,18 @@ class _StepJit:
         return self._jit.lower((batch, batch_kwargs), state).lowered
 
 
+def plugin_loss_fn(module: Any) -> Callable[..., Any]:
+    """A loss plugin's loss function, made inside the traced step from the reference model the
+    step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
+    frozen model. ``create_loss_fn`` is cheap and pure (the protocol says so); the structure it
+    is given as ``train_model`` is the policy being trained."""
+
+    def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
+        return module.create_loss_fn(reference, model)(model, batch, key=key)
+
+    return loss_fn
+
+
 def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
     """A ``levanter.trainer.Trainer`` whose train step is a :class:`_StepJit`."""
     import functools
@@ -312,12 +324,19 @@ class Learner:
         self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None
+        self._frozen: dict[str, Any] = {}
 
-    def set_loss(self, loss_fn: Callable[..., Any]) -> None:
-        """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` (a loss plugin's
-        ``create_loss_fn`` result) from now on."""
+    def set_loss(self, loss_fn: Callable[..., Any], *, reference: Any = None) -> None:
+        """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` from now on.
+
+        With a ``reference`` (a frozen model placed by :meth:`shard`), every step calls
+        ``loss_fn(model, batch, *, key, reference=reference)``: the reference enters the compiled
+        step as a sharded argument. A loss function that closed over it instead would compile
+        all of its weights into the step as constants (gigabytes for a real model, in every
+        compiled shape and in the compile cache's key, beside the sharded copy)."""
         from levanter.callbacks.watch import WatchCallback
 
+        self._frozen = {} if reference is None else {"reference": reference}
         self.trainer = _levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )
@@ -388,6 +407,21 @@ class Learner:
             stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
         )
 
+    def constant_bytes(self, state: Any, batch: Any) -> list[int]:
+        """The size in bytes of every constant in the lowered step on ``(state, batch)``,
+        largest first. Frozen models enter the step as arguments, so these stay small
+        (scalars, iotas); a model closed over by the loss would show up here whole."""
+        import re
+
+        with self._context():
+            text = self._lower(state, batch).as_text()
+        sizes = []
+        for match in re.finditer(r"stablehlo\.constant dense[^\n]*?: tensor<([^>]*)>", text):
+            *dims, dtype = match.group(1).split("x")
+            bits = int(re.sub(r"\D", "", dtype) or 32)
+            sizes.append(math.prod(int(d) for d in dims) * max(bits // 8, 1))
+        return sorted(sizes, reverse=True)
+
     def warm_up(self, state: Any, batch: Any) -> None:
         """Trace and lower the step for ``(state, batch)``'s shapes, so that a first
         :meth:`step` on a batch of these shapes finds its jaxpr and MLIR already made and only
@@ -402,7 +436,7 @@ class Learner:
 
         batch = hax.shard(batch, self.compute_axis_mapping)
         # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
-        return self._trainer()._jit_train_step_fn.lower(state, (batch,), {})
+        return self._trainer()._jit_train_step_fn.lower(state, (batch,), self._frozen)
 
     def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
         """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""
@@ -411,7 +445,7 @@ class Learner:
         with self._context():
             batch = hax.shard(batch, self.compute_axis_mapping)
             self.tracker.latest.clear()
-            info = self._trainer().train_step(state, batch)
+            info = self._trainer().train_step(state, batch, **self._frozen)
             metrics: dict[str, float] = {}
             for name, value in self.tracker.latest.items():
                 if name.startswith("train/"):
@@ -518,7 +552,7 @@ class Trainer:
                 )
             )
         self.loss = loss.build(reference)
-        self.learner.set_loss(self.loss.create_loss_fn(reference, model))
+        self.learner.set_loss(plugin_loss_fn(self.loss), reference=reference)
         self._schedule = make_schedule(config.trainer)
         self.state = self.learner.init_state(model, key=jax.random.PRNGKey(config.seed + 1))
         del model
@@ -687,8 +721,10 @@ class Trainer:
 
     @property
     def _row_multiple(self) -> int:
-        """Packed batches have a multiple of this many rows: an eighth of the batch (so at most
-        eight shapes compile), and whole micro-batches and data-parallel shards."""
+        """Packed batches have a multiple of this many rows (or ``batch_size`` rows, which
+        :func:`~marin_rl_core.training_batch.training_batch_from_rollouts` never exceeds): an
+        eighth of the batch (so at most nine shapes compile), and whole micro-batches and
+        data-parallel shards."""
         t = self.config.trainer
         unit = t.microbatch_size or self.learner.sizes["batch_shards"]
         return math.lcm(max(1, t.batch_size // 8), unit)

@@ -194,7 +194,10 @@ def training_batch_from_rollouts(
         temperature: the sampling temperature of the rollouts: one for all, or one per rollout
             (a batch may mix lessons sampled at different temperatures). Padding gets 1.
         batch_size: without packing, pad the batch with empty rows (all-zero mask) up to this
-            many, so that a jitted step sees one shape; ``None`` uses ``len(rollouts)``.
+            many, so that a jitted step sees one shape; ``None`` uses ``len(rollouts)``. With
+            packing, the most rows a batch has: rounding up to ``row_multiple`` stops there
+            (the trainer's micro-batches and data shards divide the batch size, not always a
+            rounded-up row count).
         pack: put several rollouts in one row where they fit (:func:`pack_rows`), with
             ``segment_ids`` and ``position_ids`` that keep them apart, so short rollouts do not
             waste padded positions.
@@ -225,6 +228,8 @@ def training_batch_from_rollouts(
     if pack:
         layout = pack_rows(lengths, max_seq_len)
         n = max(1, -(-len(layout) // row_multiple)) * row_multiple
+        if batch_size is not None:
+            n = min(n, max(batch_size, len(layout)))
     else:
         n = len(rollouts) if batch_size is None else batch_size
         if n < len(rollouts):

@@ -172,6 +172,28 @@ def test_a_multi_turn_job_trains_on_packed_rows_and_logs_its_turns(ray_session, 
     assert any(t["observation"] in "<>?" and t["observation"] for t in turns)
 
 
+def test_packed_rows_never_outnumber_the_batch(ray_session, tmp_path):
+    """60 rollouts that cannot share a row (prompts of 5 tokens, rows of 11) make 60 rows.
+    Packed row counts are rounded up to an eighth of the batch (7), which would make 63 rows,
+    more than the batch of 60 that levanter splits into micro-batches: every such step crashed."""
+    result = small_job(
+        "math",
+        tmp_path,
+        "packed",
+        "trainer.num_train_steps=2",
+        "trainer.batch_size=60",
+        "sampling.n_prompts=10",
+        "sampling.n_generations_per_prompt=6",
+        "model.max_seq_len=11",
+        'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
+        "trainer.pack_rollouts=true",
+        "eval.frequency=100",
+    ).run(progress=False)
+    assert result.final_step == 2
+    train = [r for r in read_metrics(tmp_path / "packed") if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+
+
 def test_a_trainer_short_of_rollouts_gets_more_from_a_paced_worker(ray_session, tmp_path):
     """Pacing for half a batch per step, one batch of 32 per weight version, a trainer that
     needs 64: the worker is ahead after each batch, and only the trainer's word that it is

@@ -68,3 +68,27 @@ def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
     # Longer rollouts make rows of 16 positions: a step of new shapes traces (the counter works).
     learner.step(state, batch_of(short_rollouts(8, tok, 8)))
     assert traces == [(8, 8), (8, 16)]
+
+
+def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(tmp_path):
+    """With a KL penalty (the default), the frozen reference model is an argument of the compiled
+    step. Closed over by the loss, all of its weights were compiled into the step as constants:
+    gigabytes for a real model, in every compiled shape and in the compile cache's key."""
+    from marin_rl_core.trainer import Trainer
+
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math", "loss": "rloo"},
+        overrides=["trainer.batch_size=8", "loss.kl_coef=0.01"],
+    )
+    trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    batch = trainer._training_batch(
+        short_rollouts(8, trainer.tokenizer, 3), np.linspace(-1, 1, 8).astype(np.float32)
+    )
+    embedding = config.model.hidden_dim * trainer.tokenizer.vocab_size * 4
+    constants = trainer.learner.constant_bytes(trainer.state, batch)
+    assert constants and constants[0] <= 1024 < embedding, constants[:5]
+    # The step trains with the reference: the KL term is there, and zero before any update.
+    _, loss, metrics = trainer.learner.step(trainer.state, batch)
+    assert np.isfinite(loss) and abs(metrics["kl"]) < 1e-6
