@@ -137,7 +137,8 @@ class _EnvProcess:
         try:
             self.conn.send((call_id, op, args))
         except (OSError, ValueError) as exc:
-            self._fail_all(f"env process {self.index} cannot be reached: {exc}")
+            # A broken pipe: the process died before its reader thread saw the pipe close.
+            self._fail_all(f"env process {self.index} (pid {self.process.pid}) died ({exc})")
         return future
 
     def kill(self) -> None:
@@ -198,6 +199,8 @@ class EnvProcessPool:
         with self._lock:
             process = self.processes[index]
             if process.dead or not process.process.is_alive():
+                # Its pipe may close before the process is reaped: give the exit code a moment.
+                process.process.join(timeout=2)
                 self._restart(index, why=f"exit code {process.process.exitcode}")
             return self.processes[index]
 

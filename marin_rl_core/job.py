@@ -833,6 +833,23 @@ class _Watch:
         self.pids: list[int | None] = [None] * len(rollouts)
         self.pid_refs: dict[int, Any] = {i: w.process.remote() for i, w in enumerate(rollouts)}
         self.counters: list[dict[str, Any]] = [{} for _ in rollouts]
+        # The trainer's own step, asked once a second: train rows reach the metrics hub only
+        # every logging.log_every steps, and a slow real-model step times log_every can exceed
+        # faults.stall_timeout_s in a healthy job.
+        self.step_ref: Any = trainer.step.remote()
+
+    def _trainer_step(self) -> int | None:
+        """The trainer's step if its last answer has come (then asks again), else ``None``."""
+        import ray
+
+        if not ray.wait([self.step_ref], timeout=0)[0]:
+            return None
+        try:
+            step = int(ray.get(self.step_ref))
+        except Exception:  # noqa: BLE001 - a dead trainer is reported by its run's result
+            return None
+        self.step_ref = self.trainer.step.remote()
+        return step
 
     # --- while training -----------------------------------------------------------------------
 
@@ -863,7 +880,7 @@ class _Watch:
                         self.job.run_dir,
                         resumable=True,
                     )
-                step = int(latest.get("train_step", self.start))
+                step = max(int(latest.get("train_step", self.start)), self._trainer_step() or 0)
                 if step > self.step:
                     self.step, last_progress = step, time.monotonic()
                 bar.update(max(0, step - bar.n))

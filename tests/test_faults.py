@@ -493,6 +493,21 @@ def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_pat
     assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
 
 
+def test_the_watchdog_counts_steps_not_logged_rows(cli, tmp_path, tiny_mock_job):
+    """Train rows are logged every logging.log_every steps: with it raised (as users do for long
+    runs), a healthy job whose steps are each far quicker than faults.stall_timeout_s, but which
+    logs its first row only after it, must not be stopped as stalled."""
+    result = cli(
+        "run", *tiny_mock_job,
+        "--set", "trainer.num_train_steps=400", "--set", "logging.log_every=1000",
+        "--set", "replay_buffer.max_rollout_step_delay=0",  # on-policy: ~0.1 s a step here
+        "--set", "trainer.checkpoint_interval_steps=1000", "--set", "faults.stall_timeout_s=8",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "quiet",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert _train_steps(tmp_path / "quiet") == [400]
+
+
 def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(cli, tmp_path, tiny_mock_job):
     import socket
 
