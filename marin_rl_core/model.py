@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -341,7 +342,10 @@ def _block_bwd(residuals, cotangents):  # type: ignore[no-untyped-def]
     hidden, lm_head, targets, temperature, lse = residuals
     scale = cotangents[0] / temperature  # d logprob / d logit = onehot(target) - softmax, over T
     probs = jnp.exp(_block_logits(hidden, lm_head, temperature) - lse[:, None])
-    d_logits = (-probs * scale[:, None]).at[jnp.arange(targets.shape[0]), targets].add(scale)
+    # A one-hot compare rather than a scatter: elementwise, so a batch sharded over devices
+    # stays sharded (a scatter's indices would be gathered onto every device).
+    onehot = jnp.arange(probs.shape[-1])[None, :] == targets[:, None]
+    d_logits = (onehot - probs) * scale[:, None]
     d_hidden = jnp.dot(d_logits, lm_head.T, preferred_element_type=jnp.float32)
     d_lm_head = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
     return (
@@ -353,6 +357,17 @@ def _block_bwd(residuals, cotangents):  # type: ignore[no-untyped-def]
 
 
 _block_logprobs_and_entropy.defvjp(_block_fwd, _block_bwd)
+
+
+def _shards_of(axes: Sequence[Axis]) -> int:
+    """Over how many devices the current axis mapping splits ``axes`` (1 outside a mesh)."""
+    shards = 1
+    for axis in axes:
+        try:
+            shards *= hax.partitioning.physical_axis_size(axis) or 1
+        except ValueError:  # no mesh
+            return 1
+    return shards
 
 
 def next_token_logprobs_and_entropy(
@@ -367,9 +382,11 @@ def next_token_logprobs_and_entropy(
 ) -> tuple[NamedArray, NamedArray]:
     """Per-position logprob of the next token and entropy of the next-token distribution.
 
-    The logits are computed block by block of positions (``block_tokens``; by default as many as
-    fit :data:`LOGITS_BLOCK_BYTES`), and recomputed in the backward pass rather than stored, so
-    peak memory stays about one block of ``[positions, vocab]`` whatever the batch.
+    The logits are computed block by block of positions across all rows (``block_tokens``
+    tokens per device per block; by default as many as fit :data:`LOGITS_BLOCK_BYTES`), and
+    recomputed in the backward pass rather than stored, so peak memory stays about one block
+    of ``[tokens, vocab]`` per device whatever the batch. The batch axes keep their sharding:
+    with data parallelism each device computes the logits of its own rows only.
 
     Args:
         model: the policy.
@@ -379,7 +396,7 @@ def next_token_logprobs_and_entropy(
             temperature (0 means greedy and is treated as 1, as levanter's sampler does). A
             scalar or a named array over the batch axes of ``input_ids``.
         key: dropout key (unused by Llama).
-        block_tokens: positions (over the whole batch) per block of logits.
+        block_tokens: tokens (rows on one device x positions) per block of logits.
         segment_ids: int ``[..., position]`` for packed rows: a position attends only to
             earlier positions of its own segment (see
             :func:`marin_rl_core.training_batch.training_batch_from_rollouts`).
@@ -404,32 +421,56 @@ def next_token_logprobs_and_entropy(
         temps = jnp.full(input_ids.array.shape, 1.0 if temperature == 0 else float(temperature))
     targets = hax.roll(input_ids, -1, pos).array
 
-    n = targets.size
+    # Blocks are runs of positions across every row, never runs of flattened rows: the batch
+    # axes stay sharded over the data-parallel devices, and each device computes the LM head for
+    # its own rows (flattening batch x position would gather every row onto every device).
+    batch_axes = tuple(a for a in input_ids.axes if a.name != pos.name)
+    rows = math.prod(a.size for a in batch_axes)
+    local_rows = max(1, -(-rows // _shards_of(batch_axes)))
+    budget = block_tokens or max(1, LOGITS_BLOCK_BYTES // (4 * model.Vocab.size))
+    block = max(1, budget // local_rows)
+    # [rows, position, ...] plain arrays, positions second.
+    at = input_ids.axes.index(pos)
     flat = (
-        hidden.array.reshape(n, -1),
-        targets.reshape(n),
-        temps.reshape(n).astype(jnp.float32),
+        jnp.moveaxis(hidden.array, at, len(batch_axes)).reshape(rows, pos.size, -1),
+        jnp.moveaxis(targets, at, -1).reshape(rows, pos.size),
+        jnp.moveaxis(temps, at, -1).reshape(rows, pos.size).astype(jnp.float32),
     )
-    block = block_tokens or max(1, LOGITS_BLOCK_BYTES // (4 * model.Vocab.size))
-    if block >= n:
-        token_logprobs, entropy = _block_logprobs_and_entropy(flat[0], lm_head, *flat[1:])
+
+    def per_block(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
+        h, t, temp = xs
+        n = h.shape[0] * h.shape[1]
+        lp, ent = _block_logprobs_and_entropy(
+            h.reshape(n, -1), lm_head, t.reshape(n), temp.reshape(n)
+        )
+        return lp.reshape(t.shape), ent.reshape(t.shape)
+
+    if block >= pos.size:
+        token_logprobs, entropy = per_block(flat)
     else:
-        blocks = -(-n // block)
-        # Padding rows get temperature 1: a zero there would put NaNs into the gradients.
+        blocks = -(-pos.size // block)
+        extra = blocks * block - pos.size
+        # Padding positions get temperature 1: a zero there would put NaNs into the gradients.
         padded = [
-            jnp.pad(x, [(0, blocks * block - n)] + [(0, 0)] * (x.ndim - 1), constant_values=fill)
+            jnp.pad(x, [(0, 0), (0, extra)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
             for x, fill in zip(flat, (0, 0, 1))
         ]
-
-        def per_block(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-            return _block_logprobs_and_entropy(xs[0], lm_head, *xs[1:])
-
-        token_logprobs, entropy = jax.lax.map(
-            per_block, tuple(x.reshape(blocks, block, *x.shape[1:]) for x in padded)
+        # [blocks, rows, block, ...]: the rows stay where the sharding has them.
+        stacked = tuple(
+            jnp.moveaxis(x.reshape(rows, blocks, block, *x.shape[2:]), 1, 0) for x in padded
         )
-        token_logprobs, entropy = token_logprobs.reshape(-1)[:n], entropy.reshape(-1)[:n]
-    token_logprobs = hax.named(token_logprobs.reshape(targets.shape), input_ids.axes)
-    entropy = hax.named(entropy.reshape(targets.shape), input_ids.axes)
+        token_logprobs, entropy = jax.lax.map(per_block, stacked)
+        token_logprobs, entropy = (
+            jnp.moveaxis(x, 0, 1).reshape(rows, blocks * block)[:, : pos.size]
+            for x in (token_logprobs, entropy)
+        )
+    # Back to the input's axis order.
+    shape = [a.size for a in batch_axes] + [pos.size]
+    token_logprobs, entropy = (
+        jnp.moveaxis(x.reshape(shape), -1, at) for x in (token_logprobs, entropy)
+    )
+    token_logprobs = hax.named(token_logprobs, input_ids.axes)
+    entropy = hax.named(entropy, input_ids.axes)
     not_last = hax.arange(pos) < pos.size - 1
     return hax.where(not_last, token_logprobs, 0.0), hax.where(not_last, entropy, 0.0)
 

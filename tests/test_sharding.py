@@ -131,6 +131,30 @@ def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scor
         assert got["greedy_equal"]
 
 
+def test_logprobs_of_a_batch_sharded_over_devices_stay_on_each_devices_rows(tmp_path):
+    """The log-probabilities (forward and backward, computed in blocks of positions) of a batch
+    split over four devices move nothing between devices, and each device holds a quarter of
+    the memory one device needs for the whole batch. Blocks of flattened rows x positions
+    gathered every row's hidden states onto every device, which then computed the LM head and
+    softmax over a 151k vocabulary for the whole global batch."""
+    import json
+
+    script = Path(__file__).with_name("sharded_logprobs.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    got = {}
+    for devices in (1, 4):
+        out = tmp_path / f"{devices}.json"
+        proc = subprocess.run(
+            [sys.executable, str(script), str(devices), str(out)],
+            capture_output=True, text=True, env=env, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        got[devices] = json.loads(out.read_text())
+    assert got[4]["collectives"] == [], got[4]
+    assert got[4]["max_difference"] < 1e-5
+    assert got[4]["temp_bytes"] < 0.35 * got[1]["temp_bytes"], got
+
+
 def test_a_mesh_that_does_not_fit_the_trainers_devices_is_a_config_error(
     cli, tiny_mock_job, tmp_path
 ):
