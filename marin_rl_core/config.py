@@ -63,6 +63,11 @@ class ModelConfig:
         inference_tensor_parallel: how many of a rollout worker's devices its inference engine
             splits the model's attention heads and MLP over (tensor parallelism); 1 keeps the
             model on one device. Must divide the worker's device count (``resources.rollout``).
+        gradient_checkpointing: recompute each layer's activations in the backward pass instead
+            of keeping them (levanter's scan checkpointing): ``"on"``, ``"off"``, or ``"auto"``:
+            on for a Hugging Face checkpoint (real models, whose activations dominate the
+            step's memory at real sequence lengths), off for the tiny default model (where
+            recomputing costs more than it saves).
     """
 
     checkpoint: str = ""
@@ -80,6 +85,13 @@ class ModelConfig:
     )
     inference_engine: str = attrs.field(default="auto", validator=one_of("auto", "paged", "dense"))
     inference_tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    gradient_checkpointing: str = attrs.field(default="auto", validator=one_of("auto", "on", "off"))
+
+    @property
+    def resolved_gradient_checkpointing(self) -> bool:
+        if self.gradient_checkpointing != "auto":
+            return self.gradient_checkpointing == "on"
+        return bool(self.checkpoint)
 
     @property
     def resolved_inference_dtype(self) -> str:

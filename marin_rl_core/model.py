@@ -50,14 +50,17 @@ def llama_config(config: ModelConfig) -> LlamaConfig:
         num_layers=config.num_layers,
         num_heads=config.num_heads,
         num_kv_heads=config.num_kv_heads,
-        # Tiny models: recomputation costs more than the activations it saves.
-        gradient_checkpointing=False,
+        gradient_checkpointing=config.resolved_gradient_checkpointing,
         scan_layers=True,
     )
 
 
 def build_model(
-    config: ModelConfig, tokenizer: Tokenizer | None = None, *, key: jax.Array
+    config: ModelConfig,
+    tokenizer: Tokenizer | None = None,
+    *,
+    key: jax.Array,
+    dtype: Any = jnp.float32,
 ) -> LmHeadModel:
     """The initial policy: loaded from ``config.checkpoint`` when set, else initialised from ``key``.
 
@@ -66,6 +69,9 @@ def build_model(
         tokenizer: sizes a fresh model's vocabulary and is checked against a checkpoint's;
             defaults to :func:`~marin_rl_core.tokenizer.model_tokenizer` of ``config``.
         key: PRNG key for a fresh model (unused when loading a checkpoint).
+        dtype: the parameters' dtype. A checkpoint is read straight into it (a rollout worker
+            sampling in bfloat16 never holds a float32 copy); a fresh model is initialised in
+            float32 and cast, so that every dtype starts from the same weights.
     """
     tokenizer = tokenizer if tokenizer is not None else model_tokenizer(config)
     if config.checkpoint:
@@ -73,11 +79,16 @@ def build_model(
 
         check_vocab(config, tokenizer)
         return load_hf_checkpoint(
-            config.checkpoint, tokenizer=tokenizer, resize_vocab=config.resize_vocab
+            config.checkpoint,
+            tokenizer=tokenizer,
+            resize_vocab=config.resize_vocab,
+            dtype=dtype,
+            gradient_checkpointing=config.resolved_gradient_checkpointing,
         )
     vocab = Axis(VOCAB, tokenizer.vocab_size)
     # One compiled init instead of hundreds of small eager ops (seconds on a busy CPU).
-    return eqx.filter_jit(LlamaLMHeadModel.init)(vocab, llama_config(config), key=key)
+    model = eqx.filter_jit(LlamaLMHeadModel.init)(vocab, llama_config(config), key=key)
+    return model if jnp.dtype(dtype) == jnp.float32 else cast_floating(model, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +213,7 @@ def load_hf_checkpoint(
     tokenizer: Tokenizer | None = None,
     resize_vocab: bool = False,
     dtype: Any = jnp.float32,
+    gradient_checkpointing: bool = False,
 ) -> LmHeadModel:
     """Load a Hugging Face checkpoint (a local directory or a hub id) with levanter's
     ``HFCheckpointConverter``.
@@ -211,7 +223,8 @@ def load_hf_checkpoint(
         tokenizer: the run's tokenizer; defaults to the checkpoint's own.
         resize_vocab: resize the model's vocabulary to ``tokenizer``'s size; otherwise the model
             keeps the checkpoint's vocabulary (see :func:`check_vocab`).
-        dtype: parameter dtype.
+        dtype: parameter dtype (the weights are read into it).
+        gradient_checkpointing: recompute layer activations in the backward pass.
 
     Raises:
         marin_rl_core.errors.ConfigError: a missing checkpoint or an unsupported architecture.
@@ -240,7 +253,9 @@ def load_hf_checkpoint(
         hf_config.no_bias = True
     lev_config = lev_config_cls.from_hf_config(hf_config)
     if hasattr(lev_config, "gradient_checkpointing"):
-        lev_config = dataclasses.replace(lev_config, gradient_checkpointing=False)
+        lev_config = dataclasses.replace(
+            lev_config, gradient_checkpointing=gradient_checkpointing
+        )
     # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
     # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
     quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")

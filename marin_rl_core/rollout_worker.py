@@ -92,7 +92,9 @@ class RolloutWorker:
         self.manager = RolloutManager(
             config,
             registry,
-            model=initial_model(config, tokenizer),
+            # Read straight into the sampler's dtype: no float32 copy of a bfloat16 sampler's
+            # weights (2.4 GB for a 0.6B model) is ever held.
+            model=initial_model(config, tokenizer, dtype=config.model.resolved_inference_dtype),
             tokenizer=tokenizer,
             curriculum=curriculum,
         )

@@ -31,7 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl_core.checkpoint import load_newest, read_state, save_checkpoint
+from marin_rl_core.checkpoint import (
+    checkpoints_newest_first,
+    load_newest,
+    read_state,
+    save_checkpoint,
+)
 from marin_rl_core.config import MeshConfig, RLJobConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError, MarinRLError
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
@@ -49,13 +54,14 @@ class TrainingDivergedError(MarinRLError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
-def initial_model(config: RLJobConfig, tokenizer: Any) -> Any:
-    """The run's initial policy; every process that calls this gets identical weights."""
+def initial_model(config: RLJobConfig, tokenizer: Any, *, dtype: Any = "float32") -> Any:
+    """The run's initial policy, its parameters in ``dtype``; every process that calls this
+    gets identical weights (in that dtype)."""
     import jax
 
     from marin_rl_core.model import build_model
 
-    return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed))
+    return build_model(config.model, tokenizer, key=jax.random.PRNGKey(config.seed), dtype=dtype)
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -384,6 +390,15 @@ class Learner:
         with self._context():
             return self._trainer().initial_state(key, model=model)
 
+    def state_shapes(self, model: Any, *, key: Any) -> Any:
+        """The shapes and dtypes of :meth:`init_state`'s state, computed without making it (what
+        :meth:`restore` needs to read a checkpoint into)."""
+        import equinox as eqx
+
+        trainer = self._trainer()
+        with self._context():
+            return eqx.filter_eval_shape(lambda m, k: trainer.initial_state(k, model=m), model, key)
+
     def restore(self, checkpoint: str | Path, like: Any) -> Any:
         """``like`` (a ``TrainerState``) with a checkpoint's values, sharded over this mesh."""
         from marin_rl_core.checkpoint import load_trainer_state
@@ -554,15 +569,22 @@ class Trainer:
         self.loss = loss.build(reference)
         self.learner.set_loss(plugin_loss_fn(self.loss), reference=reference)
         self._schedule = make_schedule(config.trainer)
-        self.state = self.learner.init_state(model, key=jax.random.PRNGKey(config.seed + 1))
+        key = jax.random.PRNGKey(config.seed + 1)
+        if checkpoints_newest_first(self.run_dir):
+            # Resuming: the checkpoint is read into the state's shapes, so that one trainer state
+            # is alive, not a fresh one beside the restored one (and the base model is gone).
+            like = self.learner.state_shapes(model, key=key)
+        else:
+            like = self.learner.init_state(model, key=key)
         del model
+        self.state = like
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
         self.resume_warnings: list[str] = []
         self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
         self.rollout_positions: dict[int, int] = {}
         """Per rollout worker, the counter after the newest batch read from storage."""
-        found = load_newest(self.run_dir, lambda path: self._restore(path, like=self.state))
+        found = load_newest(self.run_dir, lambda path: self._restore(path, like=like))
         checkpoint = None
         if found is not None:
             checkpoint, (self.resumed_state, self.state), self.resume_warnings = found

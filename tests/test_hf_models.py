@@ -327,3 +327,39 @@ def test_a_missing_checkpoint_or_unreachable_hub_id_says_what_to_do(cli, tmp_pat
     result = cli("run", "--model", "marinrl-tests/no-such-model", "--set", f'run_dir="{tmp_path}"')
     assert result.exit_code == ExitCode.CONFIG
     assert "could not fetch" in result.output and "--local-dir" in result.output
+
+
+def test_a_checkpoint_loads_in_the_samplers_dtype_and_trains_with_gradient_checkpointing(
+    checkpoints,
+):
+    """Rollout workers read a checkpoint straight into their bfloat16 (no float32 copy first);
+    the trainer recomputes layer activations in the backward pass (on by default for a
+    checkpoint, ``model.gradient_checkpointing``) with the same gradients as without."""
+    from marin_rl_core.model import next_token_logprobs
+
+    path = str(checkpoints["qwen3"])
+    tokenizer = model_tokenizer(ModelConfig(checkpoint=path))
+    full = build_model(ModelConfig(checkpoint=path), tokenizer, key=jax.random.PRNGKey(0))
+    half = build_model(
+        ModelConfig(checkpoint=path), tokenizer, key=jax.random.PRNGKey(0), dtype=jnp.bfloat16
+    )
+    assert {x.dtype for x in jax.tree.leaves(eqx.filter(half, eqx.is_inexact_array))} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+    for a, b in zip(jax.tree.leaves(cast_floating(full, jnp.bfloat16)), jax.tree.leaves(half)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+    off = build_model(
+        ModelConfig(checkpoint=path, gradient_checkpointing="off"), tokenizer,
+        key=jax.random.PRNGKey(0),
+    )  # fmt: skip
+    assert full.config.gradient_checkpointing and not off.config.gradient_checkpointing
+    ids = hax.named(jnp.asarray(prompt_rows(checkpoints["qwen3"])), ("batch", "position"))
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(model):
+        return jnp.sum(next_token_logprobs(model, ids).array)
+
+    for a, b in zip(jax.tree.leaves(grad(full)), jax.tree.leaves(grad(off))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)

@@ -70,18 +70,23 @@ def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
     assert traces == [(8, 8), (8, 16)]
 
 
+def rloo_job(*, kl_coef: float):
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math", "loss": "rloo"},
+        overrides=["trainer.batch_size=8", f"loss.kl_coef={kl_coef}"],
+    )
+    return registry, config
+
+
 def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(tmp_path):
     """With a KL penalty (the default), the frozen reference model is an argument of the compiled
     step. Closed over by the loss, all of its weights were compiled into the step as constants:
     gigabytes for a real model, in every compiled shape and in the compile cache's key."""
     from marin_rl_core.trainer import Trainer
 
-    registry = build_registry()
-    config = resolve_config(
-        registry,
-        selections={"env": "math", "loss": "rloo"},
-        overrides=["trainer.batch_size=8", "loss.kl_coef=0.01"],
-    )
+    registry, config = rloo_job(kl_coef=0.01)
     trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
     batch = trainer._training_batch(
         short_rollouts(8, trainer.tokenizer, 3), np.linspace(-1, 1, 8).astype(np.float32)
@@ -92,3 +97,35 @@ def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(
     # The step trains with the reference: the KL term is there, and zero before any update.
     _, loss, metrics = trainer.learner.step(trainer.state, batch)
     assert np.isfinite(loss) and abs(metrics["kl"]) < 1e-6
+
+
+def test_a_resumed_trainer_reads_its_checkpoint_with_no_other_state_alive(tmp_path, monkeypatch):
+    """Resume builds the trainer state's shapes, not a fresh state to load into: when the
+    checkpoint is read, neither a second state nor the base model is alive beside it (for a
+    0.6B model a fresh state alone is ~10 GB: the resume of a run that fit ran out of memory)."""
+    import gc
+
+    from marin_rl_core.trainer import Learner, Trainer
+
+    registry, config = rloo_job(kl_coef=0.0)
+    first = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    first.checkpoint()
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(first.state) if hasattr(x, "nbytes"))
+    del first
+    gc.collect()
+    before = sum(a.nbytes for a in jax.live_arrays())  # what this process holds anyway
+
+    alive_when_read = []
+    restore = Learner.restore
+
+    def watched(self, checkpoint, like):
+        gc.collect()
+        alive_when_read.append(sum(a.nbytes for a in jax.live_arrays()))
+        return restore(self, checkpoint, like)
+
+    monkeypatch.setattr(Learner, "restore", watched)
+    resumed = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    assert resumed.step == 0 and len(alive_when_read) == 1
+    assert alive_when_read[0] - before < 0.25 * state_bytes, (alive_when_read, before, state_bytes)
+    restored = sum(x.nbytes for x in jax.tree.leaves(resumed.state) if hasattr(x, "nbytes"))
+    assert restored == state_bytes
