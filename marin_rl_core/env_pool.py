@@ -223,7 +223,16 @@ class EnvProcessPool:
                 self._restart(process.index, why=why)
 
     def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
-        return self._call(self._live(0), "sample_problems", n, mode, seed).result(self.timeout)
+        process = self._live(0)
+        try:
+            return self._call(process, "sample_problems", n, mode, seed).result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            # The process may be stuck in it: every later call would wait behind it.
+            self.replace(process, why=f"sample_problems did not return within {self.timeout:g} s")
+            raise TimeoutError(
+                f"env {self.name}: sample_problems did not return within {self.timeout:g} s; "
+                "its process was replaced"
+            ) from None
 
     async def reset(self, problem: Problem) -> _RemoteEpisode:
         # The episodes of one problem share a process: a crash then fails few groups (a group
@@ -234,7 +243,12 @@ class EnvProcessPool:
             self._assigned[problem.id] = next(self._next)
         process = self._live(self._assigned[problem.id])
         episode_id = next(self._ids)
-        await asyncio.wrap_future(self._call(process, "reset", episode_id, problem))
+        try:
+            await asyncio.wrap_future(self._call(process, "reset", episode_id, problem))
+        except asyncio.CancelledError:
+            # Cut off by a timeout, like a step: the process may be stuck in it. Replace it.
+            self.replace(process, why="a reset was cut off")
+            raise
         return _RemoteEpisode(self, process, episode_id)
 
     def close(self, episode: _RemoteEpisode) -> None:

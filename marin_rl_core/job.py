@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import sys
@@ -337,25 +338,32 @@ class RolloutService(_SetUpError):
         up before the trainer is ready) and generate from batch ``start_batch`` on until
         stopped. ``trainer`` (its actor) tells a paced worker when it is short of rollouts."""
         self._check()
-        if not self._connected:
-            self.worker.weight_client = self._transfer.client(address)
-            self.worker.next_batch = start_batch
-            if trainer is not None:
-                import ray
-
-                self.worker.trainer_starved = lambda: float(
-                    ray.get(trainer.starved_seconds.remote(), timeout=5.0)
-                )
-            self._connected = True
+        self._connect(address, start_batch, trainer)
         return self.worker.run()
+
+    def _connect(self, address: str, start_batch: int = 0, trainer: Any = None) -> None:
+        if self._connected:
+            return
+        self.worker.weight_client = self._transfer.client(address)
+        self.worker.next_batch = start_batch
+        if trainer is not None:
+            import ray
+
+            self.worker.trainer_starved = lambda: float(
+                ray.get(trainer.starved_seconds.remote(), timeout=5.0)
+            )
+        self._connected = True
 
     def stop(self) -> None:
         if self._setup_error is None:
             self.worker.request_stop()
 
-    def final_eval(self, step: int) -> dict[str, float]:
+    def final_eval(self, step: int, address: str, timeout: float) -> dict[str, float]:
+        """Evaluate the weights of ``step``, pulled from the trainer's server at ``address``
+        (a worker restarted after its last run was handed out has not connected yet)."""
         self._check()
-        return self.worker.final_eval(step)
+        self._connect(address)
+        return self.worker.final_eval(step, timeout=timeout)
 
     def counters(self) -> dict[str, int]:
         self._check()
@@ -1101,14 +1109,38 @@ class _Watch:
         return out
 
     def final_eval(self, step: int) -> dict[str, Any]:
-        """Worker 0's eval of the final weights; ``{}`` (with a warning) if it cannot."""
+        """Worker 0's eval of the final weights; ``{}`` (with a warning) if it cannot: the
+        worker is gone, never gets those weights, or takes longer than
+        ``faults.stall_timeout_s`` (an hour with the watchdog off)."""
         import ray
 
+        timeout = self.faults.stall_timeout_s or 3600.0
+        address = self.run_args[0][0]
+        deadline = time.monotonic() + timeout
         try:
-            return ray.get(self.rollouts[0].final_eval.remote(step))
-        except ray.exceptions.RayActorError as exc:
-            logger.warning("no final eval: rollout worker 0 is gone (%s)", _first_line(exc))
-            return {}
+            while True:
+                ref = self.rollouts[0].final_eval.remote(step, address, timeout)
+                try:
+                    return ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0) + 60)
+                except ray.exceptions.ActorUnavailableError:
+                    # Being restarted after its process died: its constructor will finish.
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.5)
+        except ray.exceptions.GetTimeoutError:
+            logger.warning(
+                "no final eval: rollout worker 0 did not finish it within %.0f s "
+                "(faults.stall_timeout_s); `marinrl eval %s` scores the final checkpoint",
+                timeout,
+                self.job.run_dir,
+            )
+        except Exception as exc:  # noqa: BLE001 - the run is trained; only its eval is missing
+            logger.warning(
+                "no final eval (%s); `marinrl eval %s` scores the final checkpoint",
+                _first_line(exc),
+                self.job.run_dir,
+            )
+        return {}
 
 
 class Terminated(KeyboardInterrupt):
@@ -1149,18 +1181,28 @@ def _lean_loopback_head() -> Iterator[None]:
       skipped; where a Ray version lacks one, Ray starts that process as usual. Want the
       dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
       ``--ray-address``.
+    * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
+      their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
+      whole process group (Slurm's ``scancel``, Kubernetes) reaches the driver alone, which
+      stops the trainer with a final checkpoint and then shuts Ray down. They still die with
+      the driver (Ray's fate sharing).
     """
-    from ray._private import node, ray_constants
+    from ray._private import node, ray_constants, services
 
     saved = [(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)]
+    if sys.platform != "win32":
+        saved.append((services, "ConsolePopen", services.ConsolePopen))
     saved += [
         (node.Node, name, node.Node.__dict__[name])
         for name in ("start_api_server", "start_monitor", "start_log_monitor")
         if name in node.Node.__dict__
     ]
     ray_constants.ENABLE_RAY_CLUSTER = False
-    for owner, name, _ in saved[1:]:
-        setattr(owner, name, _skip_head_process)
+    for owner, name, original in saved[1:]:
+        if name == "ConsolePopen":
+            setattr(owner, name, functools.partial(original, start_new_session=True))
+        else:
+            setattr(owner, name, _skip_head_process)
     try:
         yield
     finally:

@@ -236,11 +236,17 @@ class ReplayBuffer:
                 "rng": self._rng.bit_generator.state,
                 "accepted_total": dict(self._accepted_total),
                 "used_total": dict(self._used_total),
+                "saved_at": self._clock(),
             }
             return serialize_rollout_batch(batch), state
 
     def load_state_dict(self, data: bytes, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
+
+        The time the job was down does not age the rollouts: their timestamps move forward by
+        the time since the checkpoint was saved, so ``max_rollout_timestamp_delay`` counts
+        only time the job ran (a preemption that kept a job down longer would otherwise drop the
+        whole buffer, whose batches the rollout workers never generate again).
 
         Raises:
             ValueError: the bytes and the state do not belong together (a damaged checkpoint).
@@ -248,6 +254,14 @@ class ReplayBuffer:
         from marin_rl_core.rollout_serialization import deserialize_rollout_batch
 
         rollouts = deserialize_rollout_batch(data).rollouts
+        downtime = self._clock() - float(state.get("saved_at", self._clock()))
+        if downtime > 0:
+            rollouts = [
+                r.with_metadata(attrs.evolve(r.metadata, timestamp=r.metadata.timestamp + downtime))
+                if r.metadata is not None
+                else r
+                for r in rollouts
+            ]
         columns = [state["advantages"], state["groups"], state["uses"]]
         if any(len(c) != len(rollouts) for c in columns):
             raise ValueError(

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from marin_rl_core.config import RLJobConfig
+from marin_rl_core.errors import MarinRLError
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout_manager import RolloutManager
@@ -440,7 +441,16 @@ class RolloutWorker:
         }
 
     def final_eval(self, final_step: int, *, timeout: float = 600.0) -> dict[str, float]:
-        """After training: wait for the final weights, then evaluate every lesson."""
+        """After training: wait for the final weights, then evaluate every lesson.
+
+        Raises:
+            MarinRLError: the weights of ``final_step`` did not come within ``timeout``
+                seconds (an eval of older weights would be logged as the final one).
+        """
         self._stop.clear()
-        self.wait_for_weights(final_step, timeout=timeout)
+        if not self.wait_for_weights(final_step, timeout=timeout):
+            raise MarinRLError(
+                f"rollout worker {self.worker_index} did not receive the weights of step "
+                f"{final_step} within {timeout:.0f} s (it has step {self.weight_step})"
+            )
         return self.evaluate()

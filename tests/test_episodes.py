@@ -169,7 +169,8 @@ def test_episodes_draw_the_same_tokens_from_the_same_seed():
 
 @attrs.frozen
 class ProbeConfig:
-    behaviour: str = "async_wait"  # async_wait | sync_hang | async_hang | raise | crash | endless
+    # async_wait | sync_hang | async_hang | raise | crash | endless | reset_hang | problems_hang
+    behaviour: str = "async_wait"
     delay_s: float = 0.05
     hang_problem: str = "1"
 
@@ -219,9 +220,14 @@ class ProbeEnv:
         self.closed = 0
 
     def sample_problems(self, n, *, mode, seed):
-        return [Problem(id=str(i), prompt=f"{i}+{i}=") for i in range(n)]
+        if self.config.behaviour == "problems_hang" and seed == 0:
+            time.sleep(3600)
+        first = 10 * seed if self.config.behaviour == "reset_hang" else 0  # new ids each seed
+        return [Problem(id=str(i), prompt=f"{i}+{i}=") for i in range(first, first + n)]
 
     def reset(self, problem):
+        if self.config.behaviour == "reset_hang" and problem.id == self.config.hang_problem:
+            time.sleep(3600)
         return ProbeEpisode(self, problem)
 
     def close(self, episode):
@@ -370,6 +376,31 @@ def test_a_step_hanging_in_an_env_process_is_cut_off_and_the_process_replaced():
     batch, metrics = _sample(manager)
     assert metrics["env_timeouts"] >= 1 and metrics["env_process_restarts"] >= 1
     assert batch is None or "1" not in {r.problem_id for r in batch.rollouts}
+    manager.shutdown()
+
+
+@pytest.mark.parametrize("behaviour", ["reset_hang", "problems_hang"])
+def test_a_reset_or_sample_problems_hanging_in_an_env_process_replaces_the_process(behaviour):
+    """A process stuck in ``reset`` or ``sample_problems`` is replaced like one stuck in a step:
+    left stuck, every later call to it waited out its timeout and failed."""
+    manager, env = _probe(
+        behaviour, "episodes.env_processes=2", "episodes.step_timeout_s=1.0", "env.delay_s=0.0"
+    )
+    env.timeout = 2.0  # sample_problems' bound (120 s by default)
+    pids = list(env.pids)
+    start = time.monotonic()
+    batch, metrics = _sample(manager)
+    assert time.monotonic() - start < 30
+    if behaviour == "reset_hang":  # problem 1's process: problems 1 and 3 time out
+        assert metrics["env_timeouts"] >= 1 and {r.problem_id for r in batch.rollouts} == {"0", "2"}
+    else:
+        assert batch is None and metrics["env_errors"] == 4
+    assert env.restarts == 1 and env.pids != pids
+    # The next batch (other problems, another seed) is served at once, with no timeout.
+    start = time.monotonic()
+    again, metrics = _sample(manager, seed=1)
+    assert len(again.rollouts) == 16 and metrics["env_timeouts"] == 0
+    assert time.monotonic() - start < 10
     manager.shutdown()
 
 

@@ -312,22 +312,35 @@ def _pid(log: Path, pattern: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tiny_mock_job):
-    run_dir = tmp_path / "restart"
-    proc = _start_job(
-        tmp_path, "restart", tiny_mock_job, "--set", "trainer.num_train_steps=12",
-        "--set", "faults.restart_backoff_s=0.1", "--set", "logging.samples_per_step=32",
-    )  # fmt: skip
-    log = run_dir / "logs" / "rollout-0.log"
+def _kill_rollout_worker_0_after_a_step(
+    tmp_path: Path, run_id: str, job: list[str], *extra: str
+) -> tuple[int, str]:
+    """Start ``marinrl run``, SIGKILL rollout worker 0 after the first training step, and wait
+    for the job to end well; returns the killed process id and the job's stderr."""
+    run_dir = tmp_path / run_id
+    proc = _start_job(tmp_path, run_id, job, *extra)
     _wait_for(proc, "the first training step", lambda: len(_train_steps(run_dir)) >= 1)
-    first = _pid(log, "rollout worker 0 process")
+    first = _pid(run_dir / "logs" / "rollout-0.log", "rollout worker 0 process")
     assert first is not None
     os.kill(first, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
+    return first, stderr
+
+
+def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tiny_mock_job):
+    run_dir = tmp_path / "restart"
+    log = run_dir / "logs" / "rollout-0.log"
+    first, stderr = _kill_rollout_worker_0_after_a_step(
+        tmp_path, "restart", tiny_mock_job, "--set", "trainer.num_train_steps=40",
+        "--set", "faults.restart_backoff_s=0.1", "--set", "logging.samples_per_step=32",
+        # On-policy, so the job lasts (~0.1 s a step) until the killed worker is back: with
+        # warm compile caches twelve off-policy steps took 0.3 s, done before the kill landed.
+        "--set", "replay_buffer.max_rollout_step_delay=0",
+    )  # fmt: skip
     assert "constructor arguments in the object store" not in stderr  # Ray's restart caveat
     steps = _train_steps(run_dir)
-    assert steps == list(range(1, 13)), "every step trained once, none twice"
+    assert steps == list(range(1, 41)), "every step trained once, none twice"
     # No rollout trained twice: no rollout batch (4 problems x 8 samples) gives more than its
     # 32 rollouts to training (a worker process's batches are told apart by its worker_id).
     from collections import Counter
@@ -346,6 +359,25 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
 
     restarts = [r for r in read_metrics(run_dir) if "faults/rollout_worker_restarts" in r]
     assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
+
+
+def test_a_rollout_worker_restarted_at_the_end_evaluates_the_final_weights(
+    tmp_path, tiny_mock_job
+):
+    """Rollout worker 0 runs the final eval. Killed mid-run and restarted with a long backoff,
+    it has not had its run (nor a connection to the trainer) when training ends: it still
+    evaluates the final weights, promptly, and the eval is logged at the final step (it used
+    to wait 600 s for weights it could not get, then score its initial weights)."""
+    run_dir = tmp_path / "late"
+    _kill_rollout_worker_0_after_a_step(
+        tmp_path, "late", tiny_mock_job, "--set", "num_rollout_workers=2",
+        "--set", "trainer.num_train_steps=8", "--set", "faults.restart_backoff_s=300",
+    )  # fmt: skip
+    from marin_rl_core.metrics import read_metrics
+
+    evals = [r for r in read_metrics(run_dir) if r["source"] == "eval"]
+    assert evals[-1]["step"] == 8 and "eval/mock/reward" in evals[-1], evals[-1]
+    assert "no final eval" not in (run_dir / "driver.log").read_text()
 
 
 def _problems_by_batch(run_dir: Path, after: int = 0) -> dict[int, set[str]]:
@@ -432,15 +464,20 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
         assert uninterrupted[batch] <= _drawn(batch)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM], ids=["SIGTERM"])
-def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path, tiny_mock_job, sig):
+@pytest.mark.parametrize("group", [False, True], ids=["to-marinrl", "to-its-process-group"])
+def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path, tiny_mock_job, group):
+    """SIGTERM to `marinrl run`, or to its whole process group as Slurm's scancel and Kubernetes
+    send it (then the Ray processes get it too): a final checkpoint either way."""
     run_dir = tmp_path / "term"
     proc = _start_job(
         tmp_path, "term", tiny_mock_job, "--set", "trainer.num_train_steps=1000",
         "--set", "trainer.checkpoint_interval_steps=1000",
     )  # fmt: skip
     _wait_for(proc, "the first training step", lambda: len(_train_steps(run_dir)) >= 1)
-    os.kill(proc.pid, sig)
+    if group:
+        os.killpg(proc.pid, signal.SIGTERM)  # the job leads its own session (_start_job)
+    else:
+        os.kill(proc.pid, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
     assert f"marinrl run --resume {run_dir}" in stderr

@@ -367,6 +367,28 @@ def test_a_restored_buffer_samples_exactly_as_the_saved_one_would():
         make_buffer().load_state_dict(data, {**state, "advantages": [0.0]})
 
 
+def test_time_the_job_was_down_does_not_age_restored_rollouts():
+    """A preempted job that waits two hours in a queue resumes with its buffer: only the time
+    it ran counts towards max_rollout_timestamp_delay (the whole buffer was dropped, and its
+    batches are never generated again)."""
+    clock = FakeClock()
+    saved = make_buffer(clock=clock, max_rollout_timestamp_delay=3600.0)
+    saved.add_batches(
+        [batch(group(rollout("a", age=3000.0), rollout("b", age=0.0)))], current_step=0
+    )
+    data, state = saved.state_dict()
+    clock.now += 7200.0  # down for two hours
+    restored = make_buffer(
+        clock=clock, max_rollout_timestamp_delay=3600.0, max_samples_per_rollout=99
+    )
+    restored.load_state_dict(data, state)
+    restored.set_current_step(0)
+    assert held_ids(restored) == ["a", "b"]
+    clock.now += 601.0  # "a" has now run 3601 s since it was made
+    restored.set_current_step(0)
+    assert held_ids(restored) == ["b"]
+
+
 # --- batching by env -------------------------------------------------------------------------
 
 
