@@ -55,17 +55,11 @@ def main() -> None:
             *args.overrides,
         ]
 
-    import equinox as eqx
-    import haliax as hax
-    import jax
-    import jax.numpy as jnp
-
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.model import next_token_logprobs
     from marin_rl_core.rollout_manager import RolloutManager
     from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import Learner, initial_model, plugin_loss_fn
+    from marin_rl_core.trainer import initial_model
     from marin_rl_core.training_batch import training_batch_from_rollouts
 
     registry = build_registry()
@@ -75,26 +69,41 @@ def main() -> None:
     model = initial_model(config, tokenizer)
     lesson = config.curriculum.lessons[0]
     sampling = config.sampling_for(lesson)
-
-    # Real rollouts from the inference engine, so the batch has realistic lengths.
     manager = RolloutManager(config, registry, model=model, tokenizer=tokenizer)
-    manager.sample_batch(
-        lesson.id,
-        n_examples=sampling.n_prompts,
-        n_generations=sampling.n_generations_per_prompt,
-        mode="train",
-        seed=0,
-        weight_step=0,
-        worker_id="bench",
-    )  # compile
-    # Rollouts through marinrl (problems, prompts, generation, scoring: the whole sample_batch)
-    # against a bare levanter InferenceEngine loop generating for the same prompts with the same
-    # engine config, interleaved so that drift hits both alike.
+    rollout_figures = compare_rollouts(manager, config, lesson.id)
+    # Real rollouts from the inference engine, so the batch has realistic lengths.
+    rollouts = rollout_figures.pop("batch").rollouts
+    size = config.trainer.batch_size
+    rollouts = (rollouts * (size // len(rollouts) + 1))[:size]
+    advantages = np.random.default_rng(0).normal(size=len(rollouts)).astype(np.float32)
+    tb = training_batch_from_rollouts(
+        rollouts,
+        advantages,
+        config.model.max_seq_len,
+        tokenizer.pad_id,
+        temperature=sampling.temperature,
+        batch_size=size,
+    )
+    step_figures = compare_steps(config, registry, model, tb, repeats=args.repeats)
+    print_step_figures(config, step_figures)
+    print_rollout_figures(config, lesson.id, rollout_figures)
+
+
+def compare_rollouts(manager, config, lesson_id: str, *, calls: int = 6) -> dict:
+    """Generated tokens/s of ``manager.sample_batch`` (problems, prompts, generation, scoring)
+    against a bare levanter ``InferenceEngine`` loop generating for the same prompts with the
+    same engine config, interleaved so that drift hits both alike. The first call of each
+    compiles and is not counted. Returns the figures and the last ``batch``."""
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
     from levanter.inference.engine import InferenceEngine, Request
     from levanter.inference.jit_scheduler import SeqDecodingParams
 
     from marin_rl_core.tokenizer import response_stop_ids
 
+    sampling = config.sampling_for(manager.lessons[lesson_id])
+    tokenizer = manager.tokenizer
     engine = manager._engine
     bare = InferenceEngine.from_model_with_config(
         model=engine.model, tokenizer=None, config=engine._config
@@ -126,11 +135,22 @@ def main() -> None:
         out = bare.generate(requests)
         return sum(len(t) for t in out.tokens)
 
+    # levanter's paged engine compiles its prefill twice: for the fresh cache of the first call,
+    # and for the cache with the sharding that call gave it. Both before anything is timed.
+    manager.sample_batch(
+        lesson_id,
+        n_examples=sampling.n_prompts,
+        n_generations=sampling.n_generations_per_prompt,
+        mode="train",
+        seed=0,
+        weight_step=0,
+        worker_id="bench",
+    )
     gen_times, gen_tokens, bare_times, bare_tokens = [], [], [], []
-    for i in range(6):
+    for i in range(calls):
         start = time.perf_counter()
         batch, metrics = manager.sample_batch(
-            lesson.id,
+            lesson_id,
             n_examples=sampling.n_prompts,
             n_generations=sampling.n_generations_per_prompt,
             mode="train",
@@ -144,27 +164,55 @@ def main() -> None:
         n_bare = bare_generate(prompts, i + 1)
         bare_elapsed = time.perf_counter() - start
         if i == 0:
-            continue  # the bare engine's first call compiles
+            continue  # the first call of each compiles
         gen_times.append(elapsed)
         gen_tokens.append(metrics["generated_tokens"])
         bare_times.append(bare_elapsed)
         bare_tokens.append(n_bare)
-    rollouts = batch.rollouts
-    size = config.trainer.batch_size
-    rollouts = (rollouts * (size // len(rollouts) + 1))[:size]
-    advantages = np.random.default_rng(0).normal(size=len(rollouts)).astype(np.float32)
-    tb = training_batch_from_rollouts(
-        rollouts,
-        advantages,
-        config.model.max_seq_len,
-        tokenizer.pad_id,
-        temperature=sampling.temperature,
-        batch_size=size,
-    )
+    return {
+        "batch": batch,
+        "tokens_per_second": sum(gen_tokens) / sum(gen_times),
+        "bare_tokens_per_second": sum(bare_tokens) / sum(bare_times),
+        "seconds_per_batch": statistics.median(gen_times),
+        "bare_seconds_per_batch": statistics.median(bare_times),
+    }
 
+
+def print_rollout_figures(config, lesson_id: str, figures: dict) -> None:
+    sampling = config.sampling_for(
+        next(lesson for lesson in config.curriculum.lessons if lesson.id == lesson_id)
+    )
+    tps, bare_tps = figures["tokens_per_second"], figures["bare_tokens_per_second"]
+    print(
+        f"rollouts via marinrl    {tps:8.0f} generated tokens/s "
+        f"({sampling.n_prompts} prompts x {sampling.n_generations_per_prompt} samples, "
+        f"{figures['seconds_per_batch'] * 1e3:.1f} ms per batch: problems, prompts, generation, "
+        "scoring)"
+    )
+    print(
+        f"bare levanter engine    {bare_tps:8.0f} generated tokens/s "
+        f"({figures['bare_seconds_per_batch'] * 1e3:.1f} ms per batch, same prompts and engine "
+        "config)"
+    )
+    print(f"marinrl / bare engine   {tps / bare_tps:8.2f}x   (target >= 0.90x)")
+
+
+def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3) -> dict:
+    """The learner's RL step (the run's loss plugin, as the trainer builds it) against levanter's
+    cross-entropy step on the same batch ``tb``, each on its own ``Learner`` with a fresh state,
+    interleaved ``rounds`` times so that drift hits both alike; a reference-model forward;
+    XLA's peak memory of each compiled step; the RL step's constants; the loss of the RL
+    step's first step. Times are medians in seconds."""
     import dataclasses
 
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
     from levanter.models.lm_model import LmExample, compute_next_token_loss
+
+    from marin_rl_core.model import next_token_logprobs
+    from marin_rl_core.trainer import Learner, plugin_loss_fn
 
     vocab = model.Vocab.size
     ce_block = 32_768 if vocab > 32_768 else None
@@ -200,11 +248,19 @@ def main() -> None:
     def copy(tree):
         return jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, tree)
 
-    def timed(learner, like) -> list[float]:
+    first_loss = []
+
+    def timed(learner, like, *, memory: list) -> list[float]:
         state = learner.init_state(copy(like), key=jax.random.PRNGKey(0))
-        state, _, _ = learner.step(state, tb)  # compile
+        if not memory:  # XLA's figure, from the compiled step: nothing runs twice for it
+            memory.append(learner.peak_memory_bytes(state, tb))
+            if learner is rl_learner:
+                constants.extend(learner.constant_bytes(state, tb))
+        state, loss, _ = learner.step(state, tb)  # compile
+        if learner is rl_learner and not first_loss:
+            first_loss.append(loss)
         out = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             start = time.perf_counter()
             state, _, _ = learner.step(state, tb)  # returns host floats: the step is done
             out.append(time.perf_counter() - start)
@@ -213,15 +269,14 @@ def main() -> None:
     def timed_forward() -> list[float]:
         jax.block_until_ready(reference_forward(model, tb))
         out = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             start = time.perf_counter()
             jax.block_until_ready(reference_forward(model, tb))
             out.append(time.perf_counter() - start)
         return out
 
     # As the trainer does: a frozen copy of the initial model when the loss asks for one.
-    loss_record = registry.get("loss", config.loss.name)
-    loss_module = loss_record.build(config.loss.config)
+    loss_module = registry.get("loss", config.loss.name).build(config.loss.config)
     hf = bool(config.model.checkpoint)
     rl_learner = Learner(config.trainer, hf_checkpoint=hf)
     reference = None
@@ -231,38 +286,58 @@ def main() -> None:
     ce_learner = Learner(config.trainer, hf_checkpoint=hf)
     ce_learner.set_loss(ce_loss)
 
-    # Interleave the two so drift on a shared machine hits both alike.
-    rl_times, ce_times = [], []
-    for _ in range(3):
-        ce_times += timed(ce_learner, ce_model)
-        rl_times += timed(rl_learner, model)
-    fwd_times = timed_forward()
-    rl, ce, fwd = (statistics.median(t) for t in (rl_times, ce_times, fwd_times))
+    rl_times, ce_times, ce_mem, rl_mem, constants = [], [], [], [], []
+    for _ in range(rounds):
+        ce_times += timed(ce_learner, ce_model, memory=ce_mem)
+        rl_times += timed(rl_learner, model, memory=rl_mem)
+    fwd_times = timed_forward() if reference is not None else [0.0]
+    return {
+        "sizes": rl_learner.sizes,
+        "precision": str(rl_learner.mp),
+        "devices": jax.device_count(),
+        "ce_seconds": statistics.median(ce_times),
+        "rl_seconds": statistics.median(rl_times),
+        "ce_steps": len(ce_times),
+        "rl_steps": len(rl_times),
+        "reference_forward_seconds": statistics.median(fwd_times),
+        "kl": reference is not None,
+        "ce_peak_bytes": ce_mem[0],
+        "rl_peak_bytes": rl_mem[0],
+        "rl_first_loss": first_loss[0],
+        "largest_constant_bytes": max(constants, default=0),
+        "constant_bytes": sum(constants),
+        "ce_block": ce_block,
+        "vocab": vocab,
+        "tokens": int(tb.input_ids.array.size),
+        "rows": tb.Batch.size,
+        "positions": tb.Pos.size,
+    }
+
+
+def print_step_figures(config, f: dict) -> None:
+    print(f"learner: {f['sizes']} on {f['devices']} device(s), precision {f['precision']}")
     print(
-        f"learner: {rl_learner.sizes} on {jax.device_count()} device(s), precision {rl_learner.mp}"
+        f"batch {f['rows']} x {f['positions']} tokens, loss {config.loss.name} "
+        f"(kl_coef={getattr(config.loss.config, 'kl_coef', '-')})"
     )
-    print(
-        f"batch {size} x {config.model.max_seq_len} tokens, model {model.config.hidden_dim}d x "
-        f"{model.config.num_layers} layers, loss {config.loss.name} (kl_coef={getattr(config.loss.config, 'kl_coef', '-')})"
-    )
-    print(f"cross-entropy step      {ce * 1e3:8.2f} ms (median of {len(ce_times)})")
-    print(f"RL step                 {rl * 1e3:8.2f} ms (median of {len(rl_times)})")
+    rl, ce, fwd = f["rl_seconds"], f["ce_seconds"], f["reference_forward_seconds"]
+    print(f"cross-entropy step      {ce * 1e3:8.2f} ms (median of {f['ce_steps']})")
+    print(f"RL step                 {rl * 1e3:8.2f} ms (median of {f['rl_steps']})")
     print(f"reference forward       {fwd * 1e3:8.2f} ms")
-    ce_mem = ce_learner.peak_memory_bytes(
-        ce_learner.init_state(copy(ce_model), key=jax.random.PRNGKey(0)), tb
-    )
-    rl_mem = rl_learner.peak_memory_bytes(
-        rl_learner.init_state(copy(model), key=jax.random.PRNGKey(0)), tb
-    )
-    full_logits = size * config.model.max_seq_len * vocab * 4
+    full_logits = f["tokens"] * f["vocab"] * 4
+    ce_mem, rl_mem = f["ce_peak_bytes"], f["rl_peak_bytes"]
     print(
         f"peak memory             CE {ce_mem / 2**20:8.1f} MiB, RL {rl_mem / 2**20:8.1f} MiB: "
         f"RL / CE {rl_mem / ce_mem:.2f}x (target <= 1.20x; one fp32 [batch, position, vocab] "
-        f"array would be {full_logits / 2**20:.0f} MiB, vocab {vocab}"
-        + (f", levanter CE blocks of {ce_block}" if ce_block else "")
+        f"array would be {full_logits / 2**20:.0f} MiB, vocab {f['vocab']}"
+        + (f", levanter CE blocks of {f['ce_block']}" if f["ce_block"] else "")
         + ")"
     )
-    if reference is None:
+    print(
+        f"step constants          {f['constant_bytes']} bytes in all, the largest "
+        f"{f['largest_constant_bytes']} bytes (frozen models are arguments, never constants)"
+    )
+    if not f["kl"]:
         print(f"RL / CE                 {rl / ce:8.2f}x   (target <= 1.30x)")
     else:
         print(f"RL / CE                 {rl / ce:8.2f}x")
@@ -270,18 +345,6 @@ def main() -> None:
             f"(RL - ref forward) / CE {(rl - fwd) / ce:8.2f}x   "
             "(target <= 1.30x: the loss needs one reference forward)"
         )
-    tps = sum(gen_tokens) / sum(gen_times)
-    bare_tps = sum(bare_tokens) / sum(bare_times)
-    print(
-        f"rollouts via marinrl    {tps:8.0f} generated tokens/s "
-        f"({sampling.n_prompts} prompts x {sampling.n_generations_per_prompt} samples, "
-        f"{statistics.median(gen_times) * 1e3:.1f} ms per batch: problems, prompts, generation, scoring)"
-    )
-    print(
-        f"bare levanter engine    {bare_tps:8.0f} generated tokens/s "
-        f"({statistics.median(bare_times) * 1e3:.1f} ms per batch, same prompts and engine config)"
-    )
-    print(f"marinrl / bare engine   {tps / bare_tps:8.2f}x   (target >= 0.90x)")
 
 
 if __name__ == "__main__":

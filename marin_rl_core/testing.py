@@ -279,6 +279,8 @@ def write_tiny_hf_checkpoint(
     num_layers: int = 2,
     rope_theta: float = 10000.0,
     layout: str = "transformers4",
+    dtype: str = "float32",
+    **config_overrides: Any,
 ) -> Any:
     """Write a tiny random Hugging Face causal LM checkpoint with ``transformers`` (needs torch):
     ``num_layers`` layers (2), hidden size ``hidden_size`` (32), 4 query and 2 key/value heads, a
@@ -289,7 +291,9 @@ def write_tiny_hf_checkpoint(
 
     ``model_type``: ``"llama"``, ``"qwen2"`` or ``"qwen3"``. ``layout="transformers5"`` rewrites
     the files the way ``transformers`` 5 saves them (:func:`as_transformers5_layout`), which users'
-    fine-tuned checkpoints have while levanter pins ``transformers < 5``.
+    fine-tuned checkpoints have while levanter pins ``transformers < 5``. ``dtype`` is the
+    saved weights' (``"bfloat16"`` as released checkpoints are); ``config_overrides`` set any
+    other field of the ``transformers`` config (``bench/scale.py`` writes Qwen3-0.6B's shape).
     """
     from pathlib import Path
 
@@ -300,8 +304,7 @@ def write_tiny_hf_checkpoint(
     tokenizer = tiny_chat_tokenizer(_TEMPLATE_OF[model_type])
     if len(tokenizer) > vocab_size:
         raise ValueError(f"vocab_size {vocab_size} < the tokenizer's {len(tokenizer)} tokens")
-    config = AutoConfig.for_model(
-        model_type,
+    fields: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
@@ -318,8 +321,9 @@ def write_tiny_hf_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config = AutoConfig.for_model(model_type, **{**fields, **config_overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     end_of_turn = "<|im_end|>" if _TEMPLATE_OF[model_type] == "chatml" else "<|eot_id|>"
