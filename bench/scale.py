@@ -53,13 +53,14 @@ QWEN3_0_6B = dict(
 for Qwen3)."""
 
 
-def write_checkpoint(path: Path) -> Path:
+def write_checkpoint(path: Path, *, layers: int) -> Path:
     from marin_rl_core.testing import write_tiny_hf_checkpoint
 
     if (path / "model.safetensors").exists():
         return path
-    print(f"writing a Qwen3-0.6B-shaped checkpoint to {path} ...", flush=True)
-    return write_tiny_hf_checkpoint(path, "qwen3", dtype="bfloat16", **QWEN3_0_6B)
+    print(f"writing a Qwen3-0.6B-shaped checkpoint ({layers} layers) to {path} ...", flush=True)
+    shape = {**QWEN3_0_6B, "num_layers": layers}
+    return write_tiny_hf_checkpoint(path, "qwen3", dtype="bfloat16", **shape)
 
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
@@ -214,20 +215,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="timed steps of each learner")
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--skip-job", action="store_true")
+    parser.add_argument("--skip-figures", action="store_true", help="only the marinrl job")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=QWEN3_0_6B["num_layers"],
+        help="fewer layers of the same width and vocabulary (the 4-device comparison of the "
+        "whole 28 layers needs more than 24 GiB of host memory: 4 simulated devices share it)",
+    )
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--part", choices=["figures"], help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    args.checkpoint = args.checkpoint or cache / "marinrl" / "bench-qwen3-0.6b"
+    layers = "" if args.layers == QWEN3_0_6B["num_layers"] else f"-{args.layers}-layers"
+    args.checkpoint = args.checkpoint or cache / "marinrl" / f"bench-qwen3-0.6b{layers}"
     if args.part == "figures":
         args.devices = args.devices[0]
         figures(args)
         return
 
-    write_checkpoint(args.checkpoint)
+    write_checkpoint(args.checkpoint, layers=args.layers)
     results: dict[int, dict] = {}
-    for devices in args.devices:
+    for devices in [] if args.skip_figures else args.devices:
         out = Path(tempfile.mkdtemp(prefix="marinrl-scale-")) / "figures.json"
         command = [
             sys.executable, __file__, "--part", "figures", "--devices", str(devices),
