@@ -1189,20 +1189,19 @@ def _lean_loopback_head() -> Iterator[None]:
     """
     from ray._private import node, ray_constants, services
 
-    saved = [(ray_constants, "ENABLE_RAY_CLUSTER", ray_constants.ENABLE_RAY_CLUSTER)]
-    if sys.platform != "win32":
-        saved.append((services, "ConsolePopen", services.ConsolePopen))
-    saved += [
-        (node.Node, name, node.Node.__dict__[name])
+    # (owner, attribute, value while the job's ray.init runs); each is put back after.
+    patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
+    patches += [
+        (node.Node, name, _skip_head_process)
         for name in ("start_api_server", "start_monitor", "start_log_monitor")
         if name in node.Node.__dict__
     ]
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    for owner, name, original in saved[1:]:
-        if name == "ConsolePopen":
-            setattr(owner, name, functools.partial(original, start_new_session=True))
-        else:
-            setattr(owner, name, _skip_head_process)
+    if sys.platform != "win32":
+        own_session = functools.partial(services.ConsolePopen, start_new_session=True)
+        patches.append((services, "ConsolePopen", own_session))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
     try:
         yield
     finally:
