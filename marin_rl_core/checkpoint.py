@@ -49,6 +49,28 @@ def _quiet_absent_leaves(record: logging.LogRecord) -> bool:
 logging.getLogger("levanter.tensorstore_serialization").addFilter(_quiet_absent_leaves)
 
 
+def run_config_file(run_dir: str | Path, *, what: str = "") -> Path:
+    """``RUN_DIR/config.toml``, after checking that ``run_dir`` is a run directory.
+
+    Raises:
+        ConfigError: the directory does not exist, or is not a run (no ``config.toml``); the
+            message says which and what to give instead. ``what`` prefixes it (``"--resume"``).
+    """
+    from marin_rl_core.errors import ConfigError
+
+    run_dir = Path(run_dir)
+    prefix = f"{what} {run_dir}" if what else str(run_dir)
+    hint = "give the directory `marinrl run` printed, e.g. runs/rl-20261122-101500"
+    if not run_dir.exists():
+        raise ConfigError(
+            f"{prefix}: no such directory (looked in {run_dir.expanduser().absolute()}); {hint}"
+        )
+    saved = run_dir / "config.toml"
+    if not saved.is_file():
+        raise ConfigError(f"{prefix}: not a run directory (it has no config.toml); {hint}")
+    return saved
+
+
 def _root(run_dir: str | Path) -> Path:
     return Path(run_dir) / CHECKPOINT_DIR
 

@@ -134,12 +134,17 @@ def _resolve(
 ):  # type: ignore[no-untyped-def]
     from marin_rl_core.config import resolve_config
 
-    return resolve_config(
+    notes: list[str] = []
+    resolved = resolve_config(
         registry,
         files=config or (),
         selections=selections,
         overrides=[*(set_ or ()), *extra_overrides],
+        notes=notes,
     )
+    for note in notes:
+        typer.echo(note, err=True)
+    return resolved
 
 
 def _model_override(model: str | None) -> list[str]:
@@ -343,13 +348,9 @@ def _resume_config(
             "--resume takes the run's saved config: leave out --config, --run-id and --model "
             "(--set still changes single values)"
         )
-    saved = run_dir / "config.toml"
-    if not saved.is_file():
-        raise ConfigError(
-            f"--resume {run_dir}: not a run directory (no config.toml there); give the directory "
-            "`marinrl run` printed, e.g. runs/rl-20261122-101500"
-        )
-    return saved
+    from marin_rl_core.checkpoint import run_config_file
+
+    return run_config_file(run_dir, what="--resume")
 
 
 def _resume_overrides(run_dir: Path) -> list[str]:
@@ -365,8 +366,10 @@ def _train(cfg: Any, registry: Any) -> None:
     from marin_rl_core.report import plot_reward_curve, render_summary, summarize
 
     job = RLJob(cfg, registry)
-    typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True)
-    result = job.run(progress=True)
+    result = job.run(
+        progress=True,
+        on_start=lambda: typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True),
+    )
     console = Console(stderr=True)
     console.print(render_summary(summarize(result.run_dir)))
     plot = plot_reward_curve(result.run_dir)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import logging
+import math
 import re
 import tomllib
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,6 +29,8 @@ from marin_rl_core.errors import ConfigError, FieldValueError, one_of
 from marin_rl_core.hookspecs import RECORD_TYPES
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @attrs.frozen(kw_only=True)
@@ -50,7 +54,12 @@ class ModelConfig:
         hidden_dim, intermediate_dim, num_layers, num_heads, num_kv_heads: the default model's
             shape (ignored when ``checkpoint`` is set: the checkpoint's own config wins).
         max_seq_len: the most tokens (prompt + response) a sequence may have; at most a
-            checkpoint's ``max_position_embeddings``.
+            checkpoint's ``max_position_embeddings``. Left out (or ``"auto"``) with a
+            ``checkpoint``: derived from the lessons' longest prompt (sampled and rendered with
+            the chat template, plus a quarter for headroom) plus ``max_tokens`` (times
+            ``episodes.max_turns`` for a multi-turn env), rounded up to a multiple of 16;
+            ``marinrl run`` prints the value and the saved ``config.toml`` keeps it. 16 for the
+            default model.
         inference_dtype: the rollout workers' inference engine dtype: ``"auto"`` (``bfloat16``
             for a Hugging Face checkpoint, ``float32`` for the default model), ``"float32"`` or
             ``"bfloat16"``. Behaviour log-probabilities come from this engine.
@@ -74,12 +83,12 @@ class ModelConfig:
     tokenizer: str = "auto"
     resize_vocab: bool = False
     use_chat_template: bool = True
-    hidden_dim: int = 64
-    intermediate_dim: int = 256
-    num_layers: int = 1
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    max_seq_len: int = 16
+    hidden_dim: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    intermediate_dim: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    num_layers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    num_heads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    num_kv_heads: int = attrs.field(default=4, validator=attrs.validators.ge(1))
+    max_seq_len: int = attrs.field(default=16, validator=attrs.validators.ge(2))
     inference_dtype: str = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16")
     )
@@ -138,6 +147,11 @@ class MeshConfig:
     """
 
     data_parallel: int = attrs.field(default=1)
+
+    @data_parallel.validator
+    def _check_data_parallel(self, attribute: attrs.Attribute, value: int) -> None:
+        if value != -1 and value < 1:
+            raise ValueError(f"data_parallel must be -1 (all devices) or >= 1, got {value}")
     tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     fsdp_axis: str = "embed"
     tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads", "kv_head")
@@ -189,19 +203,19 @@ class TrainerConfig:
         mesh: the learner's device mesh (:class:`MeshConfig`).
     """
 
-    num_train_steps: int = 2000
-    batch_size: int = 256
-    learning_rate: float = 1e-3
-    warmup_steps: int = 5
+    num_train_steps: int = attrs.field(default=2000, validator=attrs.validators.ge(1))
+    batch_size: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    learning_rate: float = attrs.field(default=1e-3, validator=attrs.validators.ge(0))
+    warmup_steps: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     lr_schedule: str = attrs.field(
         default="cosine", validator=one_of("cosine", "linear", "constant")
     )
     min_lr_ratio: float = attrs.field(default=0.1, validator=_check_min_lr_ratio)
-    weight_decay: float = 0.5
+    weight_decay: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
     adam_eps: float = attrs.field(default=1e-8, validator=attrs.validators.gt(0.0))
-    max_grad_norm: float = 1.0
-    sync_interval_steps: int = 1
-    checkpoint_interval_steps: int = 250
+    max_grad_norm: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
+    sync_interval_steps: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    checkpoint_interval_steps: int = attrs.field(default=250, validator=attrs.validators.ge(1))
     precision: str = attrs.field(default="auto", validator=_check_precision)
     pack_rollouts: bool = False
     trim_rows: bool = True
@@ -250,11 +264,11 @@ class ReplayBufferConfig:
             competes alike, whatever its env.
     """
 
-    capacity: int = 4096
-    max_rollout_step_delay: int = 1
-    max_rollout_timestamp_delay: float = 3600.0
-    recency_alpha: float = 3.0
-    max_samples_per_rollout: int = 1
+    capacity: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
+    max_rollout_step_delay: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    max_rollout_timestamp_delay: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0.0))
+    recency_alpha: float = attrs.field(default=3.0, validator=attrs.validators.ge(0))
+    max_samples_per_rollout: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     uninformative_group_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     min_group_size: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     max_generated_per_trained: float = attrs.field(default=1.0, validator=attrs.validators.ge(0))
@@ -274,10 +288,10 @@ class EvalConfig:
         sampling: sampling for eval (greedy by default).
     """
 
-    frequency: int = 25
-    n_examples: int = 30
-    micro_frequency: int = 0
-    micro_n_examples: int = 32
+    frequency: int = attrs.field(default=25, validator=attrs.validators.ge(0))
+    n_examples: int = attrs.field(default=30, validator=attrs.validators.ge(1))
+    micro_frequency: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    micro_n_examples: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     sampling: SamplingParams = SamplingParams(
         temperature=0.0, max_tokens=3, n_generations_per_prompt=1
     )
@@ -355,8 +369,8 @@ class LoggingConfig:
         converter=tuple,
         validator=attrs.validators.deep_iterable(one_of(*TRACKERS)),
     )
-    log_every: int = 1
-    samples_per_step: int = 2
+    log_every: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    samples_per_step: int = attrs.field(default=2, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen(kw_only=True)
@@ -489,7 +503,7 @@ class RLJobConfig:
     run_id: str = ""
     run_dir: str = "runs"
     seed: int = 0
-    num_rollout_workers: int = 1
+    num_rollout_workers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     ray_address: str = ""
     compilation_cache: str = "auto"
     model: ModelConfig = ModelConfig()
@@ -531,6 +545,8 @@ def _strict_scalar_hooks(converter: cattrs.Converter) -> None:
     def float_hook(value: Any, _: type) -> float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"expected a finite number, got {value!r}")
         return float(value)
 
     def str_hook(value: Any, _: type) -> str:
@@ -751,8 +767,14 @@ def resolve_config(
     data: Mapping[str, Any] | None = None,
     selections: Mapping[str, str | None] | None = None,
     overrides: Iterable[str] = (),
+    notes: list[str] | None = None,
 ) -> RLJobConfig:
     """Resolve a run's config: defaults < files < ``data`` < selections < ``--set`` overrides.
+
+    A run on a Hugging Face checkpoint that sets no ``model.max_seq_len`` (or sets ``"auto"``)
+    gets one derived from its lessons' prompts and ``max_tokens``
+    (:func:`~marin_rl_core.rollout_manager.derive_max_seq_len`); the resolved config holds the
+    number, so a saved ``config.toml`` keeps it.
 
     Args:
         registry: the loaded plugins (plugin sections structure into their config classes).
@@ -760,6 +782,8 @@ def resolve_config(
         data: plain data merged after the files (used by tests and the Python API).
         selections: ``{kind: name}`` from flags like ``--env math``; ``None`` values are skipped.
         overrides: ``PATH=VALUE`` strings from ``--set``.
+        notes: when given, sentences about settings derived rather than given are appended
+            (the CLI prints them).
 
     Raises:
         ConfigError: naming the path of every bad key or value.
@@ -780,6 +804,11 @@ def resolve_config(
         path, value = parse_override(text)
         _apply_override(merged, path, value, text)
     _check_plugin_names(merged, registry)
+    model_section = merged.get("model")
+    derive_seq_len = not isinstance(model_section, dict) or "max_seq_len" not in model_section
+    if isinstance(model_section, dict) and model_section.get("max_seq_len") == "auto":
+        del model_section["max_seq_len"]
+        derive_seq_len = True
     converter = make_converter(registry)
     # Partial tables override the defaults key by key: `--set eval.sampling.max_tokens=5` keeps
     # eval's greedy temperature rather than rebuilding SamplingParams from its class defaults.
@@ -794,6 +823,14 @@ def resolve_config(
         raise ConfigError(f"invalid config: {exc}") from exc
     config = _fill_plugin_defaults(config, registry, converter)
     validate_config(config, registry, converter)
+    if derive_seq_len and config.model.checkpoint:
+        from marin_rl_core.rollout_manager import derive_max_seq_len
+
+        value, note = derive_max_seq_len(config, registry)
+        config = attrs.evolve(config, model=attrs.evolve(config.model, max_seq_len=value))
+        logger.info("%s", note)
+        if notes is not None:
+            notes.append(note)
     return config
 
 

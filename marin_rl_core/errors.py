@@ -91,11 +91,26 @@ class UnknownPluginError(MarinRLError):
 
     exit_code = ExitCode.UNKNOWN_PLUGIN
 
-    def __init__(self, kind: str, name: str, known: Iterable[str], *, where: str | None = None):
-        known = sorted(known)
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        known: Iterable[str],
+        *,
+        where: str | None = None,
+        disabled: Iterable[str] = (),
+    ):
+        known, disabled = sorted(known), sorted(disabled)
         self.kind, self.name, self.known = kind, name, known
         close = difflib.get_close_matches(name, known, n=1)
         lines = [f"unknown {kind} {name!r}" + (f" (at {where})" if where else "") + "."]
+        if name in disabled:
+            lines.append(
+                f"The plugin {name!r} is installed but disabled by --disable-plugin {name}: drop "
+                "that flag to use it."
+            )
+        elif disabled:
+            lines.append(f"Disabled with --disable-plugin: {', '.join(disabled)}.")
         if close:
             lines.append(f"Did you mean {close[0]!r}?")
         label = "Installed plugins" if kind == "plugin" else f"Registered {kind} plugins"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.checkpoint import STATE_FILE, resolve_checkpoint
+from marin_rl_core.checkpoint import STATE_FILE, resolve_checkpoint, run_config_file
 from marin_rl_core.config import resolve_config
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout_worker import EVAL_SEED_OFFSET
@@ -36,11 +36,7 @@ def evaluate_checkpoint(
         run_dir, candidates = path.parent.parent, [resolve_checkpoint(path)]
     else:
         run_dir, candidates = path, []
-    config_file = run_dir / "config.toml"
-    if not config_file.exists():
-        raise FileNotFoundError(
-            f"{config_file} does not exist: the checkpoint's run config is needed"
-        )
+    config_file = run_config_file(run_dir)
     config = resolve_config(registry, files=[config_file])
     tokenizer = model_tokenizer(config.model)
     like = initial_model(config, tokenizer)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.checkpoint import CHECKPOINT_DIR, latest_checkpoint
+from marin_rl_core.checkpoint import CHECKPOINT_DIR, latest_checkpoint, run_config_file
 from marin_rl_core.config import resolve_config
 from marin_rl_core.errors import ConfigError
 from marin_rl_core.registry import Registry
@@ -28,11 +28,7 @@ def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
     """
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINT_DIR
-    if not (run_dir / "config.toml").is_file():
-        raise ConfigError(
-            f"{run_dir} is not a run directory (it has no config.toml); give the directory "
-            "`marinrl run` printed, e.g. runs/rl-20261122-101500"
-        )
+    run_config_file(run_dir)
     steps = sorted(
         int(p.name.removeprefix("step-"))
         for p in root.glob("step-*")

@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -638,8 +638,13 @@ class RLJob:
     def resume_command(self) -> str:
         return f"marinrl run --resume {self.run_dir}"
 
-    def run(self, *, progress: bool = True) -> JobResult:
+    def run(
+        self, *, progress: bool = True, on_start: Callable[[], None] | None = None
+    ) -> JobResult:
         """Train to ``num_train_steps`` (or Ctrl-C / SIGTERM); see the module docstring.
+
+        ``on_start`` is called once the cluster is reached and the run directory written (the
+        CLI says "writing to RUN" then, not before a cluster that cannot be reached).
 
         Raises:
             MarinRLError: a user-facing error with its exit code: the cluster cannot be reached
@@ -660,6 +665,8 @@ class RLJob:
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             check_resources(config, [n["Resources"] for n in nodes])
             self._write_run_dir(config)
+            if on_start is not None:
+                on_start()
             logger.info(
                 "%s Ray cluster at %s: %d node(s) at %s",
                 "started a local" if started_ray and not config.ray_address else "using the",
@@ -1071,6 +1078,7 @@ class _Watch:
             cause = "the logs say more"
         lines.append(f"  likely cause: {cause}.")
         lines.append(f"  logs: {self.job.run_dir / 'logs'}")
+        lines.append(f"  once fixed, resume with `{self.job.resume_command()}`")
         return "\n".join(lines)
 
     # --- stopping -----------------------------------------------------------------------------

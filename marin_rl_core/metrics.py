@@ -127,15 +127,35 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All rows of a run's ``metrics.jsonl``; a partly written last line is skipped."""
+    """All rows of a run's ``metrics.jsonl``; damaged lines are skipped
+    (:func:`read_metrics_counted` also counts them)."""
+    return read_metrics_counted(run_dir)[0]
+
+
+def read_metrics_counted(run_dir: str | Path) -> tuple[list[dict[str, Any]], int]:
+    """``(rows, damaged)``: the readable rows of a run's ``metrics.jsonl`` and how many lines
+    were skipped. A row is a JSON object with an integer ``step`` and a string ``source`` (as
+    :meth:`MetricsHub.log` writes them); anything else (a partly written last line, bytes a
+    crash or a disk error spoiled, ``null``, a list, a row without a step) is damaged and spoils
+    only its own line."""
     path = Path(run_dir) / METRICS_FILE
-    rows = []
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a marinrl run directory?")
-    # Damaged bytes (a crash mid-write, a disk error) spoil only their own line.
+    rows, damaged = [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        if not line.strip():
             continue
-    return rows
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if (
+            isinstance(row, dict)
+            and isinstance(row.get("step"), int)
+            and isinstance(row.get("source"), str)
+            and isinstance(row.get("time", 0.0), int | float)
+        ):
+            rows.append(row)
+        else:
+            damaged += 1
+    return rows, damaged

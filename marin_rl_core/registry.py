@@ -96,7 +96,7 @@ class Registry:
     def entry(self, kind: str, name: str, *, where: str | None = None) -> RegisteredPlugin:
         plugins = self._kind(kind)
         if name not in plugins:
-            raise UnknownPluginError(kind, name, plugins, where=where)
+            raise UnknownPluginError(kind, name, plugins, where=where, disabled=self.disabled)
         return plugins[name]
 
     def get(self, kind: str, name: str, *, where: str | None = None) -> PluginRecord:

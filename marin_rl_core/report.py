@@ -10,7 +10,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.metrics import read_metrics
+from marin_rl_core.metrics import read_metrics, read_metrics_counted
 
 PLOT_FILE = "reward_curve.png"
 SMOOTHING_STEPS = 50
@@ -90,14 +90,16 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
 
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The numbers the summary table shows, as data."""
-    rows = read_metrics(run_dir)
+    rows, damaged = read_metrics_counted(run_dir)
     train = [r for r in rows if r.get("source") == "train"]
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "train_steps": 0, "rows": len(rows)}
+    summary: dict[str, Any] = {
+        "run_dir": str(run_dir), "train_steps": 0, "rows": len(rows), "damaged_rows": damaged,
+    }
     if train:
         last = train[-1]
         summary.update(
             train_steps=int(last["step"]),
-            seconds=float(last["time"] - rows[0]["time"]),
+            seconds=float(last.get("time", 0.0) - rows[0].get("time", 0.0)),
             final_train_reward=last.get("reward"),
             final_entropy=last.get("entropy"),
         )
@@ -255,4 +257,9 @@ def render_summary(summary: dict[str, Any]) -> Any:
                 f"{e.get('turns', 1.0):.2f} turns, env step {e.get('env_step_seconds', 0.0):.4f} s, "
                 f"{e['env_timeouts']:.0f} env timeouts, {e['env_errors']:.0f} env errors"
             )
+    if summary.get("damaged_rows"):
+        lines.append(
+            f"skipped {summary['damaged_rows']} damaged lines of metrics.jsonl (not JSON objects "
+            "with a step and a source)"
+        )
     return Group(table, *(Text(line) for line in lines))

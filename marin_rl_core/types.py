@@ -434,8 +434,8 @@ class LessonConfig:
     dependencies: tuple[LessonDependency, ...] = attrs.field(default=(), converter=tuple)
     start_threshold: float = 0.0
     stop_threshold: float = 1.0
-    plateau_window: int = 10
-    plateau_threshold: float = 0.01
+    plateau_window: int = attrs.field(default=10, validator=attrs.validators.ge(1))
+    plateau_threshold: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
     sampling: SamplingParams | None = None
     eval_sampling: SamplingParams | None = None
 

@@ -51,10 +51,10 @@ class ArrowFlightConfig:
     """
 
     host: str = "127.0.0.1"
-    port: int = 0
+    port: int = attrs.field(default=0, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
     advertise_host: str = ""
-    chunk_bytes: int = 32 * 2**20
-    timeout_s: float = 300.0
+    chunk_bytes: int = attrs.field(default=32 * 2**20, validator=attrs.validators.ge(1))
+    timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0.0))
 
     def __attrs_post_init__(self) -> None:
         if not 0 <= self.port < 65536:

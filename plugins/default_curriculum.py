@@ -43,12 +43,12 @@ class DefaultCurriculumConfig:
     plateau_factor: weight multiplier for a plateaued lesson.
     """
 
-    ema_alpha: float = 0.3
-    min_weight: float = 0.1
-    graduated_weight: float = 0.25
-    regression_margin: float = 0.1
-    below_start_factor: float = 0.5
-    plateau_factor: float = 0.5
+    ema_alpha: float = attrs.field(default=0.3, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
+    min_weight: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
+    graduated_weight: float = attrs.field(default=0.25, validator=attrs.validators.ge(0.0))
+    regression_margin: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
+    below_start_factor: float = attrs.field(default=0.5, validator=attrs.validators.ge(0.0))
+    plateau_factor: float = attrs.field(default=0.5, validator=attrs.validators.ge(0.0))
 
 
 class DefaultCurriculum:

@@ -174,6 +174,27 @@ def test_settings_that_could_never_feed_the_trainer_are_rejected(cli, overrides,
     assert message in " ".join(result.output.split())
 
 
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.learning_rate=-0.001", "'learning_rate' must be >= 0: -0.001 @ $.trainer"),
+        ("loss.kl_coef=nan", "expected a finite number, got nan (expected float) @ $.loss.kl_coef"),
+        ("sampling.temperature=inf", "expected a finite number, got inf"),
+        ("trainer.checkpoint_interval_steps=0", "'checkpoint_interval_steps' must be >= 1"),
+        ("trainer.batch_size=-8", "'batch_size' must be >= 1"),
+        ("model.max_seq_len=1", "'max_seq_len' must be >= 2"),
+        ("replay_buffer.max_rollout_timestamp_delay=0", "'max_rollout_timestamp_delay' must be > 0"),
+        ("curriculum.ema_alpha=1.5", "'ema_alpha' must be <= 1.0"),
+        ("trainer.mesh.data_parallel=0", "data_parallel must be -1 (all devices) or >= 1"),
+    ],
+)
+def test_numbers_out_of_range_are_refused_before_anything_runs(cli, override, message):
+    """A negative learning rate would train (backwards); a nan would reach the optimizer."""
+    result = cli("config", "show", "--set", override)
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert message in result.output
+
+
 def test_missing_config_file_is_a_config_error(cli, tmp_path):
     result = cli("config", "validate", str(tmp_path / "nope.toml"))
     assert result.exit_code == ExitCode.CONFIG

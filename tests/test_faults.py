@@ -561,6 +561,7 @@ def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(cli, tmp_path,
     assert "ray start --head" in result.output
     assert time.monotonic() - start < 60
     assert not (tmp_path / "nowhere").exists()
+    assert "writing to" not in result.output, "nothing was written: the run is not announced"
 
 
 def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job):
@@ -575,6 +576,13 @@ def test_resume_needs_a_run_directory(cli, tmp_path):
     result = cli("run", "--resume", str(tmp_path))
     assert result.exit_code == ExitCode.CONFIG
     assert "not a run directory" in result.output
+    # A directory that does not exist (a typo) is named as such, by `eval` and `export` too.
+    missing = tmp_path / "runs" / "rl-typo"
+    for command in (["run", "--resume"], ["eval"], ["export"]):
+        result = cli(*command, str(missing), *([str(tmp_path / "out")] if command == ["export"] else []))
+        assert result.exit_code == ExitCode.CONFIG, (command, result.output)
+        assert f"{missing}: no such directory" in result.output, (command, result.output)
+        assert "Traceback" not in result.output
     (tmp_path / "config.toml").write_text("")
     result = cli("run", "--resume", str(tmp_path), "--config", str(tmp_path / "config.toml"))
     assert result.exit_code == ExitCode.CONFIG

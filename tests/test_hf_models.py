@@ -270,6 +270,9 @@ def test_train_a_checkpoint_with_marinrl_run_then_export_it(
 def test_export_errors_name_the_problem(cli, tmp_path):
     result = cli("export", str(tmp_path / "nope"), str(tmp_path / "out"))
     assert result.exit_code == ExitCode.CONFIG
+    assert "nope: no such directory" in result.output
+    result = cli("export", str(tmp_path), str(tmp_path / "out"))
+    assert result.exit_code == ExitCode.CONFIG
     assert "not a run directory" in result.output
 
 
@@ -297,6 +300,40 @@ def test_max_seq_len_beyond_the_checkpoints_context_is_refused(cli, checkpoints,
     )  # fmt: skip
     assert result.exit_code == ExitCode.CONFIG
     assert "context length (max_position_embeddings = 128)" in result.output
+
+
+def test_a_checkpoints_max_seq_len_is_derived_from_the_lessons_prompts(cli, checkpoints):
+    """With no model.max_seq_len, a checkpoint run does not keep the tiny model's 16 positions
+    (every chat-templated prompt is longer: nothing would be trained): the value comes from the
+    lessons' own prompts and max_tokens, is printed, and lands in the resolved config."""
+    import tomllib
+
+    from marin_rl_core.config import lesson_env_config, resolve_config
+
+    qwen3 = str(checkpoints["qwen3"])
+    result = cli("config", "show", "--model", qwen3, "--env", "math")
+    assert result.exit_code == 0, result.output
+    derived = tomllib.loads(result.stdout)["model"]["max_seq_len"]
+    assert f"model.max_seq_len = {derived}: derived from the lessons' prompts" in result.output
+    registry = build_registry()
+    config = resolve_config(registry, data={"model": {"checkpoint": qwen3}, "env": {"name": "math"}})
+    assert config.model.max_seq_len == derived
+    tokenizer = model_tokenizer(config.model)
+    for lesson in config.curriculum.lessons:
+        name, env_config = lesson_env_config(config, lesson, registry)
+        env = registry.get("env", name).build(env_config)
+        longest = max(
+            len(encode_prompt(tokenizer, p)) for p in env.sample_problems(64, mode="train", seed=7)
+        )
+        assert longest + config.sampling_for(lesson).max_tokens < derived <= 128
+    # Set explicitly (or as "auto"), the user's value wins (or is derived the same way).
+    shown = cli("config", "show", "--model", qwen3, "--env", "math", "--set", "model.max_seq_len=40")
+    assert tomllib.loads(shown.stdout)["model"]["max_seq_len"] == 40
+    assert "derived" not in shown.output
+    auto = cli("config", "show", "--model", qwen3, "--set", 'model.max_seq_len="auto"')
+    assert tomllib.loads(auto.stdout)["model"]["max_seq_len"] == derived
+    # The default model keeps its 16.
+    assert tomllib.loads(cli("config", "show").stdout)["model"]["max_seq_len"] == 16
 
 
 def test_a_missing_checkpoint_or_unreachable_hub_id_says_what_to_do(cli, tmp_path, monkeypatch):

@@ -139,6 +139,15 @@ def test_extra_plugin_module_is_loaded_and_listed(cli, install_dist):
     assert "mock" not in names and "math" in names
 
 
+def test_a_plugin_disabled_by_the_users_own_flag_is_named_as_disabled(cli):
+    result = cli("config", "show", "--disable-plugin", "rloo", "--loss", "rloo")
+    assert result.exit_code == ExitCode.UNKNOWN_PLUGIN, result.output
+    assert "'rloo' is installed but disabled by --disable-plugin rloo" in result.output
+    other = cli("config", "show", "--disable-plugin", "guess", "--loss", "rlooo")
+    assert "Disabled with --disable-plugin: guess." in other.output
+    assert "Did you mean 'rloo'?" in other.output
+
+
 def test_disabling_a_plugin_that_is_not_installed_is_an_error(cli):
     for args in (
         ["--disable-plugin", "mok", "plugins", "list"],

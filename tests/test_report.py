@@ -84,3 +84,19 @@ def test_the_summary_shows_episodes_of_multi_turn_lessons_and_env_failures(tmp_p
         "0 env errors" in text
     )
     assert "episodes of add" not in text
+
+
+def test_report_skips_and_counts_lines_that_are_json_but_not_rows(cli, tmp_path):
+    """Valid JSON that is not a metrics row (``null``, a list, a number, an object without a
+    step) is skipped and counted like a line of damaged bytes, not a crash."""
+    import json
+
+    rows = [{"source": "train", "step": s, "time": float(s), "reward": 0.25 * s} for s in (1, 2)]
+    lines = [json.dumps(rows[0]), "null", "[1, 2]", "7", '{"reward": 1.0}', "{not json",
+             json.dumps(rows[1])]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    result = cli("report", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    assert "2 train steps" in result.output
+    assert "skipped 5 damaged lines of metrics.jsonl" in result.output
+    assert (tmp_path / "reward_curve.png").stat().st_size > 0
