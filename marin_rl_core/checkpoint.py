@@ -133,12 +133,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[0] if found else None
 
 
-def load_newest(run_dir: str | Path, load: Callable[[Path], T]) -> tuple[Path, T, list[str]] | None:
+def load_newest(
+    run_dir: str | Path, load: Callable[[Path], T], *, fallback: str = "resumed from {name}"
+) -> tuple[Path, T, list[str]] | None:
     """``load`` the newest checkpoint of ``run_dir`` that ``load`` can read.
 
     A damaged checkpoint (a truncated array, a corrupt ``state.json``) is skipped for the one
-    before it, and the returned warnings say so. Returns ``(checkpoint, loaded, warnings)``, or
-    ``None`` when the run has no checkpoint.
+    before it, and the returned warnings say so ("... is damaged and was skipped; " +
+    ``fallback`` with the checkpoint used as ``{name}``); each failure's traceback goes to this
+    module's logger at debug level (the run's log, not the console). Returns ``(checkpoint,
+    loaded, warnings)``, or ``None`` when the run has no checkpoint.
 
     Raises:
         CheckpointError: every checkpoint is damaged; the message lists why.
@@ -153,10 +157,10 @@ def load_newest(run_dir: str | Path, load: Callable[[Path], T]) -> tuple[Path, T
         except Exception as exc:  # noqa: BLE001 - any failure to read means "damaged"
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
             problems.append(f"{path.name}: {type(exc).__name__}: {first}")
-            logging.getLogger(__name__).warning("checkpoint %s is damaged", path, exc_info=True)
+            logging.getLogger(__name__).info("checkpoint %s is damaged", path, exc_info=True)
             continue
         warnings = [
-            f"checkpoint {problem} is damaged and was skipped; resumed from {path.name}"
+            f"checkpoint {problem} is damaged and was skipped; {fallback.format(name=path.name)}"
             for problem in problems
         ]
         return path, loaded, warnings

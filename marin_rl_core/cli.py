@@ -8,9 +8,10 @@ level: ``marinrl --help`` and ``marinrl plugins list`` stay fast.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -382,6 +383,32 @@ def _train(cfg: Any, registry: Any) -> None:
         raise typer.Exit(int(ExitCode.INTERRUPTED))
 
 
+@contextlib.contextmanager
+def _log_to_run(path: Path, name: str) -> Iterator[None]:
+    """Log records (tracebacks of a damaged checkpoint skipped, levanter's own) go to
+    ``RUN_DIR/logs/NAME`` while the block runs, not to the console, which shows only the
+    command's own warnings. ``path`` is a run directory or one of its checkpoints."""
+    import logging
+
+    run_dir = path if (path / "config.toml").is_file() else path.parent.parent
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(run_dir / "logs" / name)
+    except OSError:  # a read-only run: nowhere to keep them
+        handler = logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+
 @app.command("eval")
 def eval_command(
     checkpoint: Annotated[
@@ -403,7 +430,8 @@ def eval_command(
 
         registry = _registry(plugin, disable_plugin)
         try:
-            results = evaluate_checkpoint(checkpoint, registry, n_examples=n_examples)
+            with _log_to_run(checkpoint, "eval.log"):
+                results = evaluate_checkpoint(checkpoint, registry, n_examples=n_examples)
         except FileNotFoundError as exc:
             from marin_rl_core.errors import ConfigError
 

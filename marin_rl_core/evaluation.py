@@ -57,7 +57,7 @@ def evaluate_checkpoint(
                 f"Give the run directory ({run_dir}) to use its newest intact checkpoint."
             ) from exc
     else:
-        found = load_newest(run_dir, load)
+        found = load_newest(run_dir, load, fallback="evaluated {name} instead")
         if found is None:
             resolve_checkpoint(run_dir)  # raises: no checkpoint
             raise AssertionError("unreachable")

@@ -499,6 +499,38 @@ def check_model(config: RLJobConfig) -> list[str]:
     return errors
 
 
+STATE_SHAPING_MODEL_FIELDS = ("checkpoint", "tokenizer", "resize_vocab")
+"""``[model]`` settings that decide what a checkpoint holds, for any model; the default model's
+shape fields count too when no checkpoint is set."""
+DEFAULT_MODEL_SHAPE_FIELDS = (
+    "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads",
+)  # fmt: skip
+
+
+def resume_conflicts(saved: RLJobConfig, new: RLJobConfig) -> list[str]:
+    """Settings of ``new`` that change what the checkpoints of a run saved with ``saved`` hold
+    (the model's shape, vocabulary, parameter dtype), as ``"model.hidden_dim: 64 -> 128"``: a
+    resume with them could not load the run's checkpoints. Empty when they load."""
+    fields = list(STATE_SHAPING_MODEL_FIELDS)
+    if not saved.model.checkpoint and not new.model.checkpoint:
+        fields += DEFAULT_MODEL_SHAPE_FIELDS
+    out = [
+        f"model.{name}: {getattr(saved.model, name)!r} -> {getattr(new.model, name)!r}"
+        for name in fields
+        if getattr(saved.model, name) != getattr(new.model, name)
+    ]
+    dtypes = [
+        c.trainer.mp_policy(hf_checkpoint=bool(c.model.checkpoint)).param_dtype
+        for c in (saved, new)
+    ]
+    if dtypes[0] != dtypes[1]:
+        out.append(
+            f"trainer.precision: {saved.trainer.precision!r} -> {new.trainer.precision!r} "
+            f"(parameters in {dtypes[0].__name__} -> {dtypes[1].__name__})"
+        )
+    return out
+
+
 class RLJob:
     """A configured RL training job. ``run()`` trains; ``to_worker_configs()`` shows what each
     worker would get.
@@ -544,10 +576,33 @@ class RLJob:
                 errors.append(f"{where}.max_tokens must be < $.model.max_seq_len ({max_seq})")
         if not self.config.curriculum.lessons:
             errors.append("$.curriculum.lessons: a job needs at least one lesson")
+        self._check_resume()
         errors += check_model(self.config)
         if errors:
             lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
             raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
+
+    def _check_resume(self) -> None:
+        """A run directory that already holds a run is resumed: its checkpoints must load with
+        this config. Raises :class:`ConfigError` naming each setting that changes what they
+        hold, before anything is written (the saved ``config.toml`` stays as it was)."""
+        saved_file = self.run_dir / "config.toml"
+        if not saved_file.is_file():
+            return
+        try:
+            saved = resolve_config(self.registry, files=[saved_file])
+        except MarinRLError as exc:
+            logger.warning("the saved config of %s does not resolve: %s", self.run_dir, exc)
+            return  # the checkpoint load says what is wrong, if anything
+        conflicts = resume_conflicts(saved, self.config)
+        if conflicts:
+            raise ConfigError(
+                f"--resume {self.run_dir}: these settings change what the run's checkpoints hold, "
+                "so they could not be loaded:\n"
+                + "\n".join(f"  {c}" for c in conflicts)
+                + "\nDrop those --set values to resume, or start a new run (another --run-id) "
+                "with them. The saved run is unchanged."
+            )
 
     def to_worker_configs(self) -> tuple[WorkerConfig, list[WorkerConfig]]:
         """``(trainer, [rollout worker, ...])`` configs, exactly as the actors receive them."""
@@ -621,7 +676,10 @@ class RLJob:
         every check passed, so a bad resume leaves the saved run as it was."""
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(dump_config(config, self.registry))
+            if not (self.run_dir / "config.toml").exists():
+                self._save_config(config)
+            # A resume's config replaces the saved one only once the trainer has restored a
+            # checkpoint with it (_run_actors): a resume that fails leaves the run resumable.
             handler = _LogFile(self.driver_log)
         except OSError as exc:
             raise run_dir_error(exc, self.run_dir, resumable=False) from None
@@ -630,6 +688,12 @@ class RLJob:
         root.addHandler(handler)
         root.setLevel(logging.INFO)
         self._log_handler = handler
+
+    def _save_config(self, config: RLJobConfig) -> None:
+        """Write ``config.toml`` whole or not at all (a crash mid-write keeps the old one)."""
+        tmp = self.run_dir / "config.toml.tmp"
+        tmp.write_text(dump_config(config, self.registry))
+        tmp.replace(self.run_dir / "config.toml")
 
     @property
     def driver_log(self) -> Path:
@@ -765,6 +829,10 @@ class RLJob:
             for warning in info["warnings"]:
                 logger.warning("%s", warning)
                 print(f"warning: {warning}", file=sys.stderr)
+            try:
+                self._save_config(config)  # the checkpoint (if any) loaded with this config
+            except OSError as exc:
+                raise run_dir_error(exc, self.run_dir, resumable=True) from None
             # The curriculum resumes from the checkpoint the trainer restored, and the metrics
             # of steps after it (logged by the run that died) give way to the steps trained again.
             ray.get(curriculum.load_state.remote(info["curriculum"]))

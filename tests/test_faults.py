@@ -503,12 +503,44 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path
     evaluated = cli("eval", str(run_dir), "--n-examples", "4", "--json")
     assert evaluated.exit_code == 0, evaluated.output
     assert "step-000002" in evaluated.output and "skipped" in evaluated.output
+    assert "evaluated step-000001 instead" in evaluated.output
+    assert "Traceback" not in evaluated.output and "resumed from" not in evaluated.output
     assert json.loads(evaluated.stdout[evaluated.stdout.index("{") :])["step"] == 1
 
     resumed = cli("run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=3")
     assert resumed.exit_code == 0, resumed.output
     assert "damaged and was skipped; resumed from step-000001" in resumed.output
     assert _train_steps(run_dir) == [1, 2, 3]
+
+
+def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
+    cli, tmp_path, tiny_mock_job
+):
+    """`--resume RUN --set model.hidden_dim=128` cannot load RUN's checkpoints: it is refused
+    before anything is written, naming the setting, and the run stays resumable as it was."""
+    run_dir = tmp_path / "shape"
+    result = cli(
+        "run", *tiny_mock_job, "--set", f'run_dir="{tmp_path}"', "--run-id", "shape",
+        "--set", "trainer.num_train_steps=1",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    saved = (run_dir / "config.toml").read_bytes()
+    log = (run_dir / "driver.log").read_bytes()
+    for change, named in (
+        ("model.hidden_dim=128", "model.hidden_dim: 64 -> 128"),
+        ('trainer.precision="bf16-params"', "trainer.precision: 'auto' -> 'bf16-params'"),
+    ):
+        refused = cli("run", "--resume", str(run_dir), "--set", change)
+        assert refused.exit_code == ExitCode.CONFIG, refused.output
+        assert named in refused.output and "The saved run is unchanged" in refused.output
+        assert "damaged" not in refused.output
+        assert (run_dir / "config.toml").read_bytes() == saved
+        assert (run_dir / "driver.log").read_bytes() == log
+    # A change that keeps the checkpoints loadable still resumes (and is saved).
+    resumed = cli("run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=2")
+    assert resumed.exit_code == 0, resumed.output
+    assert _train_steps(run_dir) == [1, 2]
+    assert "num_train_steps = 2" in (run_dir / "config.toml").read_text()
 
 
 def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_path):
