@@ -11,8 +11,10 @@ single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score
   seed (exactly the one generation call a batch always was).
 * A multi-turn env's episodes are generated in up to ``episodes.generation_cohorts`` batches per
   turn, and env steps run concurrently: an ``async def step`` on the runner's event loop, a plain
-  ``step`` on one worker thread per runner (so an env sees one call at a time, as ``score``
-  always did). While one cohort's steps run, generation goes on for the episodes waiting for an
+  ``reset``/``step`` on up to ``episodes.env_threads`` threads (calls of different episodes at
+  once; one episode's calls in order; 1 thread: the env sees one call at a time, as ``score``
+  always does). A hung call holds up only its own episode, and hung calls' timeouts run
+  concurrently. While one cohort's steps run, generation goes on for the episodes waiting for an
   action. Each action's sampling key depends only on the batch seed, the episode and the turn,
   so results do not depend on which episodes happened to be batched together.
 * Token in, token out: the tokens the policy sampled are kept as sampled, and an observation
@@ -197,6 +199,71 @@ class _DaemonThreadExecutor(concurrent.futures.Executor):
         self._queue.put(None)
 
 
+MAX_HUNG_THREADS = 64
+"""Threads stuck in env calls that never returned (each cut off by its timeout) a runner
+tolerates; past it the env's calls fail at once, saying so: more would only pile up threads."""
+
+
+class _DaemonThreadPool:
+    """Up to ``size`` daemon threads running submitted calls, any call on any idle thread. A
+    call that hangs keeps its thread: :meth:`abandon` takes that thread out of the count, so
+    another starts for the calls queued behind it."""
+
+    def __init__(self, name: str, size: int):
+        self.name, self.size = name, size
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads = self._idle = 0
+        self._abandoned: set[threading.Thread] = set()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._queue.put((future, fn, args))
+        with self._lock:
+            if self._idle <= 0 and self._threads < self.size:
+                self._threads += 1
+                threading.Thread(target=self._work, name=self.name, daemon=True).start()
+            else:
+                self._idle -= 1  # that idle thread takes this call
+        return future
+
+    def abandon(self, thread: threading.Thread) -> None:
+        """``thread`` is stuck in a call: it ends if the call ever returns, and no longer
+        counts against ``size``."""
+        with self._lock:
+            if thread not in self._abandoned:
+                self._abandoned.add(thread)
+                self._threads -= 1
+                if self._idle < 0:  # a queued call waits for a thread: start one
+                    self._idle += 1
+                    self._threads += 1
+                    threading.Thread(target=self._work, name=self.name, daemon=True).start()
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
+                    future.set_exception(exc)
+            with self._lock:
+                if me in self._abandoned:
+                    self._abandoned.discard(me)
+                    return
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        with self._lock:
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)
+
+
 # --- the runner ----------------------------------------------------------------------------------
 
 
@@ -231,11 +298,15 @@ class EpisodeRunner:
         self.max_seq_len = max_seq_len
         self._loop = asyncio.new_event_loop()
         self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
+        self._env_pool: _DaemonThreadPool | None = None  # sized by the first batch's limits
         self._generate_thread = _DaemonThreadExecutor("marinrl-generate")
         self.hung_threads = 0
+        self._said_stuck = False
 
     def close(self) -> None:
         self._env_thread.shutdown()
+        if self._env_pool is not None:
+            self._env_pool.shutdown()
         self._generate_thread.shutdown()
         self._loop.close()
 
@@ -265,11 +336,29 @@ class EpisodeRunner:
         if timeout is None or left < timeout:
             timeout = left if left != float("inf") else timeout
         on_thread = not inspect.iscoroutinefunction(fn)
+        if on_thread and self.hung_threads >= MAX_HUNG_THREADS:
+            message = (
+                f"{self.hung_threads} env threads are stuck in calls that never returned "
+                f"(each cut off after episodes.step_timeout_s); the env is not called again in "
+                "this worker. Fix the env's hanging call, or run it with episodes.env_processes "
+                "> 0, whose stuck processes are replaced"
+            )
+            if not self._said_stuck:
+                self._said_stuck = True
+                logger.error("%s", message)
+            raise EpisodeFailure("error", message)
+        if on_thread and (self._env_pool is None or self._env_pool.size != limits.env_threads):
+            if self._env_pool is not None:
+                self._env_pool.shutdown()
+            self._env_pool = _DaemonThreadPool("marinrl-env-steps", limits.env_threads)
+        pool = self._env_pool
         spent = [0.0]
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
+        worker: list[threading.Thread] = []
 
-        def timed() -> Any:  # the time inside the call, not the wait for the env thread
+        def timed() -> Any:  # the time inside the call, not the wait for an env thread
+            worker.append(threading.current_thread())
             loop.call_soon_threadsafe(started.set)
             start = time.perf_counter()
             try:
@@ -280,8 +369,9 @@ class EpisodeRunner:
         start = time.perf_counter()
         try:
             if on_thread:
-                call = asyncio.wrap_future(self._env_thread.submit(timed))
-                # The step timeout runs from when the call starts on the env thread, not
+                assert pool is not None
+                call = asyncio.wrap_future(pool.submit(timed))
+                # The step timeout runs from when the call starts on an env thread, not
                 # while it waits behind other episodes' calls (the episode deadline does).
                 waiting = asyncio.ensure_future(started.wait())
                 left = live.deadline - time.monotonic()
@@ -304,13 +394,11 @@ class EpisodeRunner:
                     spent[0] += time.perf_counter() - awaited
         except TimeoutError:
             spent[0] = time.perf_counter() - start
-            if on_thread and started.is_set():
-                # The env thread is stuck in that call: the calls queued behind it move to a
-                # new thread.
+            if on_thread and started.is_set() and pool is not None:
+                # The thread is stuck in that call: it is left behind, and another takes its
+                # place for the calls queued behind it.
                 self.hung_threads += 1
-                stuck = self._env_thread
-                self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
-                stuck.hand_over(self._env_thread)
+                pool.abandon(worker[0])
             raise EpisodeFailure(
                 "timeout",
                 f"{getattr(fn, '__qualname__', fn)} did not return within {timeout:.1f} s",

@@ -212,6 +212,7 @@ class RolloutManager:
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
         attached to every rollout, and metrics: ``reward`` (mean episode reward), ``env_errors``
         (problems whose episodes raised), ``env_timeouts`` (episodes cut off by a timeout),
+        ``env_hung_threads`` (threads this worker has left stuck in env calls so far),
         ``prompts_too_long`` (problems dropped because their prompt does not fit
         ``model.max_seq_len``), ``frac_truncated``, ``turns`` (mean actions per episode),
         ``tokens``, ``generated_tokens``, ``seconds`` (in generation calls), ``score_seconds``
@@ -333,6 +334,7 @@ class RolloutManager:
             "turns": turns / episodes if episodes else 0.0,
             "env_step_seconds": step_seconds / env_calls if env_calls else 0.0,
             "env_process_restarts": float(getattr(env, "restarts", 0)),
+            "env_hung_threads": float(self._runner.hung_threads),
         }
         for name, values in score_metrics.items():
             metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))

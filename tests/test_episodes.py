@@ -204,6 +204,8 @@ class ProbeEpisode:
         if c.behaviour in ("async_wait", "async_hang"):
             return self._async_step(action)
         if c.behaviour == "sync_hang" and self.problem.id == c.hang_problem:
+            with self.env.lock:
+                self.env.hang_starts.append(time.monotonic())
             time.sleep(3600)
         if c.behaviour == "raise" and self.problem.id == c.hang_problem:
             raise RuntimeError("the sandbox fell over")
@@ -218,6 +220,7 @@ class ProbeEnv:
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0
         self.closed = 0
+        self.hang_starts: list[float] = []
 
     def sample_problems(self, n, *, mode, seed):
         if self.config.behaviour == "problems_hang" and seed == 0:
@@ -298,6 +301,32 @@ def test_a_hanging_step_is_cut_off_counted_and_loses_only_its_group(behaviour, c
     # The runner goes on: the next batch is served (a stuck env thread was replaced).
     again, metrics = _sample(manager, seed=1)
     assert metrics["env_timeouts"] == 4 and len(again.rollouts) == 12
+
+
+def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog, monkeypatch):
+    """Four episodes whose plain ``step`` hangs: their timeouts run at once (not 4 x 1 s one
+    after another), each stuck thread is counted, and once MAX_HUNG_THREADS are stuck the env
+    is not called again: its episodes fail at once, saying why."""
+    import marin_rl_core.episodes as episodes
+
+    manager, env = _probe("sync_hang", "episodes.step_timeout_s=1.0")
+    batch, metrics = _sample(manager)
+    assert metrics["env_timeouts"] == 4 and metrics["env_hung_threads"] == 4
+    assert len(env.hang_starts) == 4
+    # Every hung call started before the first one was cut off: they waited together.
+    assert max(env.hang_starts) - min(env.hang_starts) < 1.0
+    assert sorted({r.problem_id for r in batch.rollouts}) == ["0", "2", "3"]
+    # One thread (an env that is not thread-safe): the calls come one at a time.
+    serial, serial_env = _probe("sync_hang", "episodes.step_timeout_s=0.5", "episodes.env_threads=1")
+    _, metrics = _sample(serial, n_generations=2)
+    gaps = np.diff(sorted(serial_env.hang_starts))
+    assert len(serial_env.hang_starts) == 2 and gaps.min() >= 0.5
+    # The bound: with 4 stuck threads allowed, the next batch fails without calling the env.
+    monkeypatch.setattr(episodes, "MAX_HUNG_THREADS", 4)
+    batch, metrics = _sample(manager, seed=1)
+    assert batch is None and metrics["env_errors"] == 4 and len(env.hang_starts) == 4
+    assert "4 env threads are stuck in calls that never returned" in caplog.text
+    assert "episodes.env_processes" in caplog.text
 
 
 @pytest.mark.parametrize("behaviour", ["hang", "raise"])
