@@ -499,6 +499,10 @@ def check_model(config: RLJobConfig) -> list[str]:
     return errors
 
 
+FAIL_FAST_BATCHES = 3
+"""Before the first training step, a job whose every rollout worker dropped every problem of
+this many batches in a row (and wrote none) stops at once, naming the cause."""
+
 STATE_SHAPING_MODEL_FIELDS = ("checkpoint", "tokenizer", "resize_vocab")
 """``[model]`` settings that decide what a checkpoint holds, for any model; the default model's
 shape fields count too when no checkpoint is set."""
@@ -950,7 +954,7 @@ class _Watch:
             disable=not progress,
             dynamic_ncols=True,
         )
-        last_progress = time.monotonic()
+        last_progress = next_look = time.monotonic()
         try:
             while True:
                 refs = [self.train_run, *self.runs.values()]
@@ -979,6 +983,10 @@ class _Watch:
                 stalled = time.monotonic() - last_progress
                 if self.faults.stall_timeout_s and stalled > self.faults.stall_timeout_s:
                     raise StalledError(self.stall_report(stalled))
+                if self.step == self.start and time.monotonic() >= next_look:
+                    next_look = time.monotonic() + 2.0
+                    if self._nothing_can_succeed():
+                        raise StalledError(self.stall_report(stalled, first_batches=True))
         finally:
             bar.close()
 
@@ -1076,13 +1084,33 @@ class _Watch:
                 # Waits for Ray's restart.
                 self.runs[i] = self.rollouts[i].run.remote(*self.run_args[i])
 
-    def stall_report(self, stalled: float) -> str:
+    def _nothing_can_succeed(self) -> bool:
+        """Before the first step: every rollout worker has dropped every problem of its first
+        :data:`FAIL_FAST_BATCHES` batches (prompts too long, the env raising or timing out on
+        each) and written none. Nothing suggests the next batches would differ, so the job
+        stops now rather than after ``faults.stall_timeout_s``."""
+        import ray
+
+        try:
+            counters = ray.get([w.counters.remote() for w in self.rollouts], timeout=5)
+        except Exception:  # noqa: BLE001 - a worker busy restarting: look again later
+            return False
+        return all(
+            c.get("batches_written", 0) == 0
+            and c.get("recent_empty_batches", 0) >= FAIL_FAST_BATCHES
+            for c in counters
+        )
+
+    def stall_report(self, stalled: float, *, first_batches: bool = False) -> str:
         """Why no step completed: the trainer's stage and the rollout side's counters."""
         import ray
 
         config = self.job.config
         lines = [
-            f"no training step completed for {stalled:.0f} s (faults.stall_timeout_s = "
+            f"every problem of the first {FAIL_FAST_BATCHES} batches of each rollout worker was "
+            f"dropped, so no training step can run; the job stopped at step {self.step}."
+            if first_batches
+            else f"no training step completed for {stalled:.0f} s (faults.stall_timeout_s = "
             f"{config.faults.stall_timeout_s:g}); the job stopped at step {self.step} with a "
             f"checkpoint."
         ]
@@ -1105,12 +1133,16 @@ class _Watch:
             for k, v in self.counters[i].items():
                 if isinstance(v, int) and k != "weight_step":
                     totals[k] = totals.get(k, 0) + v
+        last_error = next(
+            (c["last_env_error"] for c in self.counters if c and c.get("last_env_error")), ""
+        )
         limit = config.model.max_seq_len - 1
         lines.append(
             f"  rollout workers: {totals.get('batches_sampled', 0)} batches sampled, "
             f"{totals.get('batches_written', 0)} written to storage; "
             f"{totals.get('prompts_too_long', 0)} prompts dropped as longer than {limit} tokens, "
             f"{totals.get('env_errors', 0)} problems dropped for env errors, "
+            f"{totals.get('env_timeouts', 0)} episodes cut off by env timeouts, "
             f"{totals.get('write_errors', 0)} storage write errors (retried)"
         )
         recent = totals.get("recent_empty_batches", 0)
@@ -1127,8 +1159,17 @@ class _Watch:
             )
         elif recent and totals.get("env_errors", 0):
             cause = (
-                f"the last {recent} batches were all dropped: the env raised on every problem "
-                "(the first error of each lesson is in the rollout workers' logs)"
+                f"the last {recent} batches were all dropped: the env failed on every problem "
+                f"(latest: {last_error or 'see the logs'}; the first error of each lesson, with "
+                "its traceback, is in the rollout workers' logs)"
+            )
+        elif recent and totals.get("env_timeouts", 0):
+            cause = (
+                f"the last {recent} batches were all dropped: the env's calls timed out "
+                f"(episodes.step_timeout_s = {config.episodes.step_timeout_s:g}, "
+                f"episode_timeout_s = {config.episodes.episode_timeout_s:g}; latest: "
+                f"{last_error or 'see the logs'}). Fix the env's hanging call, or raise the "
+                "timeouts if it is only slow"
             )
         elif totals.get("write_errors", 0) and not totals.get("batches_written", 0):
             cause = (
@@ -1308,9 +1349,10 @@ def _postfix(latest: dict[str, Any]) -> dict[str, str]:
     if isinstance(turns, int | float) and turns > 1:  # multi-turn episodes: how long they run
         postfix["turns"] = f"{turns:.1f}"
         postfix["env_step"] = f"{latest.get('rollout/env_step_seconds', 0.0):.3f}s"
-    timeouts = latest.get("rollout/env_timeouts")
-    if isinstance(timeouts, int | float) and timeouts > 0:
-        postfix["env_timeouts"] = f"{timeouts:.0f}"
+    for key in ("env_errors", "env_timeouts", "prompts_too_long"):  # of the latest batch
+        value = latest.get(f"rollout/{key}")
+        if isinstance(value, int | float) and value > 0:
+            postfix[key] = f"{value:.0f}"
     return postfix
 
 

@@ -86,6 +86,7 @@ class RolloutManager:
         }
         self._envs: dict[str, MultiTurnEnv] = {}
         self._errors_logged: set[str] = set()
+        self.last_env_error: str | None = None  # the latest env failure, for the watchdog
         self._too_long_logged: set[str] = set()
         biggest = max(
             [
@@ -178,6 +179,10 @@ class RolloutManager:
         return self._envs[lesson_id]
 
     def _env_error(self, lesson_id: str, what: str, exc: Exception) -> None:
+        # An episode's failure carries the env's own exception as its cause: its traceback
+        # (with the env's file and line) is what the log needs.
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        self.last_env_error = f"lesson {lesson_id}, {what}: {type(exc).__name__}: {exc}"
         if lesson_id not in self._errors_logged:
             self._errors_logged.add(lesson_id)
             logger.warning(
@@ -187,6 +192,7 @@ class RolloutManager:
                 what,
                 type(exc).__name__,
                 exc,
+                exc_info=cause if cause.__traceback__ is not None else None,
             )
 
     # --- sampling -----------------------------------------------------------------------------

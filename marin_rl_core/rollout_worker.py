@@ -113,6 +113,7 @@ class RolloutWorker:
         self.empty_batches_in_a_row = 0  # batches in which every problem was dropped
         self.prompts_too_long = 0
         self.env_errors = 0
+        self.env_timeouts = 0
         self.write_errors = 0
         self._write_error_logged = -1e9
         self._next_eval = 0
@@ -389,6 +390,7 @@ class RolloutWorker:
             self.batches_sampled += 1
             self.prompts_too_long += int(metrics.get("prompts_too_long", 0))
             self.env_errors += int(metrics.get("env_errors", 0))
+            self.env_timeouts += int(metrics.get("env_timeouts", 0))
             write_seconds = 0.0
             if batch is None:
                 # Every problem was dropped (prompts too long, env errors): retrying at full
@@ -427,7 +429,7 @@ class RolloutWorker:
             self._log(metrics, step=max(self.weight_step, 0), source="rollout")
         return self.counters()
 
-    def counters(self) -> dict[str, int]:
+    def counters(self) -> dict[str, Any]:
         """Totals since the worker started (the watchdog's report uses them)."""
         return {
             "batches_sampled": self.batches_sampled,
@@ -435,6 +437,8 @@ class RolloutWorker:
             "recent_empty_batches": self.empty_batches_in_a_row,
             "prompts_too_long": self.prompts_too_long,
             "env_errors": self.env_errors,
+            "env_timeouts": self.env_timeouts,
+            "last_env_error": getattr(getattr(self, "manager", None), "last_env_error", None) or "",
             "write_errors": self.write_errors,
             "weight_syncs": self.weight_syncs,
             "weight_step": self.weight_step,

@@ -545,17 +545,22 @@ def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
 
 def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_path):
     """Every prompt is too long for model.max_seq_len: nothing reaches the trainer. The job
-    stops after faults.stall_timeout_s and says why, instead of waiting forever."""
+    stops as soon as the first batches of every worker were all dropped (not after
+    faults.stall_timeout_s, here raised to 300 s) and says why, with the resume command."""
     result = cli(
         "run", "--env", "math",
         "--set", 'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
         "--set", "model.max_seq_len=4", "--set", "sampling.max_tokens=2",
         "--set", "eval.sampling.max_tokens=2", "--set", "eval.n_examples=4",
-        "--set", "faults.stall_timeout_s=20",
+        "--set", "faults.stall_timeout_s=300",
         "--set", f'run_dir="{tmp_path}"', "--run-id", "stalled",
     )  # fmt: skip
     assert result.exit_code == ExitCode.STALLED, result.output
-    assert "no training step completed for" in result.output
+    assert "every problem of the first 3 batches of each rollout worker was dropped" in (
+        " ".join(result.output.split())
+    )
+    assert "no training step completed for" not in result.output
+    assert f"resume with `marinrl run --resume {tmp_path / 'stalled'}`" in result.output
     assert "prompts longer than 3 tokens" in result.output
     assert "model.max_seq_len" in result.output and "Traceback" not in result.output
     rows = (tmp_path / "stalled" / "metrics.jsonl").read_text().splitlines()
