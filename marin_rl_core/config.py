@@ -266,7 +266,7 @@ class ReplayBufferConfig:
 
     capacity: int = attrs.field(default=4096, validator=attrs.validators.ge(1))
     max_rollout_step_delay: int = attrs.field(default=1, validator=attrs.validators.ge(0))
-    max_rollout_timestamp_delay: float = attrs.field(default=3600.0, validator=attrs.validators.gt(0.0))
+    max_rollout_timestamp_delay: float = 3600.0
     recency_alpha: float = attrs.field(default=3.0, validator=attrs.validators.ge(0))
     max_samples_per_rollout: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     uninformative_group_weight: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))

@@ -474,9 +474,9 @@ def derive_max_seq_len(config: RLJobConfig, registry: Registry) -> tuple[int, st
                 "max_tokens) with --set model.max_seq_len=N, or fix the env"
             ) from None
         finally:
-            close = getattr(env, "close", None)
-            if callable(close):
-                close()
+            stop = getattr(env, "shutdown", None)  # close(episode) is per episode
+            if callable(stop):
+                stop()
         if not prompts:
             continue
         tokens = max(

@@ -1,4 +1,5 @@
-"""The third-party path: pip-install the example plugin package and use its env by name."""
+"""The third-party path: pip-install the example plugin packages and use their envs by name
+(``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,11 @@ import pytest
 from marin_rl_core.testing import check_plugin
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "marinrl-echo"
+COUNTDOWN = EXAMPLE.parent / "marinrl-countdown"
 
 
-@pytest.fixture(scope="module")
-def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``pip install`` the example package into its own directory (not the test env)."""
-    target = tmp_path_factory.mktemp("site")
+def pip_install(example: Path, target: Path) -> Path:
+    """``pip install`` an example package into ``target``, its own directory (not the test env)."""
     subprocess.run(
         [
             sys.executable,
@@ -31,7 +31,7 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "--no-build-isolation",
             "--target",
             str(target),
-            str(EXAMPLE),
+            str(example),
         ],
         check=True,
         capture_output=True,
@@ -39,13 +39,30 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def marinrl(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {
+@pytest.fixture(scope="module")
+def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(EXAMPLE, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def installed_countdown(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(COUNTDOWN, tmp_path_factory.mktemp("site"))
+
+
+def site_env(site: Path) -> dict[str, str]:
+    """The environment of a process that sees the packages installed in ``site``."""
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
     }
+
+
+def marinrl(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "marin_rl_core", *args], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "marin_rl_core", *args],
+        capture_output=True,
+        text=True,
+        env=site_env(site),
     )
 
 
@@ -81,3 +98,79 @@ def test_example_plugin_honours_the_env_contract(installed_echo, plugin_registry
     registry = plugin_registry(module)
     assert registry.names("env") == ["echo"]
     check_plugin(registry.get("env", "echo"))
+
+
+# --- the multi-turn example ----------------------------------------------------------------------
+
+
+def test_multi_turn_example_is_listed_with_its_distribution_and_version(installed_countdown):
+    result = marinrl(installed_countdown, "plugins", "list", "--json", "--kind", "env")
+    assert result.returncode == 0, result.stderr
+    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    assert rows["countdown"]["distribution"] == "marinrl-countdown"
+    assert rows["countdown"]["version"] == "0.1.0"
+
+
+def test_multi_turn_example_honours_the_env_contract(
+    installed_countdown, plugin_registry, monkeypatch
+):
+    from marin_rl_core import MultiTurnEnv
+
+    monkeypatch.syspath_prepend(str(installed_countdown))
+    module = importlib.import_module("marinrl_countdown")
+    registry = plugin_registry(module)
+    assert registry.names("env") == ["countdown"]
+    record = registry.get("env", "countdown")
+    check_plugin(record)
+    assert isinstance(record.build(record.config_class()), MultiTurnEnv)
+
+
+def test_multi_turn_example_passes_its_own_tests(installed_countdown):
+    """The package's tests/ (contract checks, the game's rules, countdown.toml's budget), run
+    as its author runs them: pytest in the package directory, the package installed."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=COUNTDOWN,
+        capture_output=True,
+        text=True,
+        env=site_env(installed_countdown),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_multi_turn_example_trains_with_its_run_config(installed_countdown, tmp_path):
+    """``marinrl run --config countdown.toml`` as the package's README gives it, made short
+    (the ``tiny_mock_job`` sizes): the Ray workers load the installed plugin, and its first
+    lesson's multi-turn episodes are trained on."""
+    small = [
+        "trainer.num_train_steps=2",
+        "trainer.batch_size=32",
+        "sampling.n_prompts=4",
+        "eval.n_examples=8",
+        "eval.frequency=100",
+        f'run_dir="{tmp_path}"',
+    ]
+    result = marinrl(
+        installed_countdown,
+        "run",
+        "--config",
+        str(COUNTDOWN / "countdown.toml"),
+        "--run-id",
+        "countdown",
+        *[arg for setting in small for arg in ("--set", setting)],
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = tmp_path / "countdown"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    train = [r for r in rows if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(r["replay/countdown/sampled_rollouts"] > 0 for r in train)
+    batches = [r for r in rows if r["source"] == "rollout" and "rollout/turns" in r]
+    assert batches and {r["rollout/lesson"] for r in batches} == {"countdown_small"}
+    assert all(r["rollout/turns"] > 1 for r in batches)  # an untrained policy rarely wins at once
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").open()]
+    assert samples and {s["lesson"] for s in samples} == {"countdown_small"}
+    assert any(len(s["turns"]) > 1 for s in samples)
+    evals = [r for r in rows if r["source"] == "eval"]
+    assert evals and all(r["eval/countdown/n"] == 8 for r in evals)  # the locked lesson too
