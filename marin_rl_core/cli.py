@@ -390,17 +390,17 @@ def _log_to_run(path: Path, name: str) -> Iterator[None]:
     command's own warnings. ``path`` is a run directory or one of its checkpoints."""
     import logging
 
+    from marin_rl_core.job import attach_log_file
+
     run_dir = path if (path / "config.toml").is_file() else path.parent.parent
-    try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(run_dir / "logs" / name)
-    except OSError:  # a read-only run: nowhere to keep them
-        handler = logging.NullHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        handler = attach_log_file(run_dir / "logs" / name)
+    except OSError:  # a read-only run: nowhere to keep them, and not on the console either
+        handler = logging.NullHandler()
+        root.addHandler(handler)
     try:
         yield
     finally:

@@ -95,15 +95,23 @@ class _LogFile(logging.FileHandler):
                   file=sys.stderr)  # fmt: skip
 
 
-def _worker_logging(run_dir: str, name: str) -> None:
-    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
-    path = Path(run_dir) / "logs"
-    path.mkdir(parents=True, exist_ok=True)
-    handler = _LogFile(path / f"{name}.log")
+def attach_log_file(path: Path) -> logging.Handler:
+    """Send the root logger's records (INFO and up) to ``path`` too; returns the handler, for
+    ``logging.getLogger().removeHandler`` and ``close``. Raises ``OSError`` when the file
+    cannot be opened; one that stops being writable later says so once (:class:`_LogFile`)."""
+    handler = _LogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    return handler
+
+
+def _worker_logging(run_dir: str, name: str) -> None:
+    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
+    path = Path(run_dir) / "logs"
+    path.mkdir(parents=True, exist_ok=True)
+    attach_log_file(path / f"{name}.log")
     for chatty in ("levanter", "jax", "datasets", "absl"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
@@ -684,14 +692,9 @@ class RLJob:
                 self._save_config(config)
             # A resume's config replaces the saved one only once the trainer has restored a
             # checkpoint with it (_run_actors): a resume that fails leaves the run resumable.
-            handler = _LogFile(self.driver_log)
+            self._log_handler = attach_log_file(self.driver_log)
         except OSError as exc:
             raise run_dir_error(exc, self.run_dir, resumable=False) from None
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        root = logging.getLogger()
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-        self._log_handler = handler
 
     def _save_config(self, config: RLJobConfig) -> None:
         """Write ``config.toml`` whole or not at all (a crash mid-write keeps the old one)."""
