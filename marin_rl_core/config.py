@@ -152,6 +152,7 @@ class MeshConfig:
     def _check_data_parallel(self, attribute: attrs.Attribute, value: int) -> None:
         if value != -1 and value < 1:
             raise ValueError(f"data_parallel must be -1 (all devices) or >= 1, got {value}")
+
     tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     fsdp_axis: str = "embed"
     tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads", "kv_head")
@@ -420,13 +421,13 @@ class EpisodesConfig:
             0 runs envs in the rollout worker's process.
         env_threads: plain (not ``async``) ``reset`` and ``step`` calls of different episodes
             run on up to this many threads at once, so that one slow or hung call holds up
-            only its own episode, and the timeouts of hung calls run concurrently rather than
-            one after another. A call cut off by its timeout keeps its thread (Python cannot
-            stop it); the runner starts another, and stops using the env (failing its
-            episodes, with a message) once :data:`~marin_rl_core.episodes.MAX_HUNG_THREADS`
-            threads are stuck. 1 makes an env see one call at a time: for envs whose episodes
-            share state that is not thread-safe. A single-turn env's ``score`` calls always
-            run one at a time.
+            only its own episode; 0 (the default) gives each episode of a batch a thread, so
+            the timeouts of hung calls all run at once rather than in waves. A call cut off by
+            its timeout keeps its thread (Python cannot stop it) until it returns, if ever; the
+            runner starts another, and stops using the env (failing its episodes, with a
+            message) while :data:`~marin_rl_core.episodes.MAX_HUNG_THREADS` threads are stuck.
+            1 makes an env see one call at a time: for envs whose episodes share state that is
+            not thread-safe. A single-turn env's ``score`` calls always run one at a time.
     """
 
     max_turns: int = attrs.field(default=8, validator=attrs.validators.ge(1))
@@ -434,7 +435,7 @@ class EpisodesConfig:
     episode_timeout_s: float = attrs.field(default=600.0, validator=attrs.validators.ge(0))
     generation_cohorts: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     env_processes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
-    env_threads: int = attrs.field(default=8, validator=attrs.validators.ge(1))
+    env_threads: int = attrs.field(default=0, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen(kw_only=True)

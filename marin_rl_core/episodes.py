@@ -11,10 +11,10 @@ single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score
   seed (exactly the one generation call a batch always was).
 * A multi-turn env's episodes are generated in up to ``episodes.generation_cohorts`` batches per
   turn, and env steps run concurrently: an ``async def step`` on the runner's event loop, a plain
-  ``reset``/``step`` on up to ``episodes.env_threads`` threads (calls of different episodes at
-  once; one episode's calls in order; 1 thread: the env sees one call at a time, as ``score``
-  always does). A hung call holds up only its own episode, and hung calls' timeouts run
-  concurrently. While one cohort's steps run, generation goes on for the episodes waiting for an
+  ``reset``/``step`` on a thread of each episode of the batch, or up to ``episodes.env_threads``
+  threads when set (calls of different episodes at once; one episode's calls in order; 1
+  thread: the env sees one call at a time, as ``score`` always does). A hung call holds up only
+  its own episode, and hung calls' timeouts run concurrently. While one cohort's steps run, generation goes on for the episodes waiting for an
   action. Each action's sampling key depends only on the batch seed, the episode and the turn,
   so results do not depend on which episodes happened to be batched together.
 * Token in, token out: the tokens the policy sampled are kept as sampled, and an observation
@@ -107,6 +107,10 @@ class EpisodeFailure(Exception):
     def __init__(self, kind: str, message: str):
         super().__init__(message)
         self.kind = kind
+
+
+class BatchCancelled(Exception):
+    """The batch was cancelled (:meth:`EpisodeRunner.cancel`): its worker is stopping."""
 
 
 @attrs.define
@@ -227,6 +231,12 @@ class _DaemonThreadPool:
                 self._idle -= 1  # that idle thread takes this call
         return future
 
+    @property
+    def stuck(self) -> int:
+        """Threads still stuck in calls that were cut off."""
+        with self._lock:
+            return len(self._abandoned)
+
     def abandon(self, thread: threading.Thread) -> None:
         """``thread`` is stuck in a call: it ends if the call ever returns, and no longer
         counts against ``size``."""
@@ -299,9 +309,19 @@ class EpisodeRunner:
         self._loop = asyncio.new_event_loop()
         self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
         self._env_pool: _DaemonThreadPool | None = None  # sized by the first batch's limits
+        self._old_pools: list[_DaemonThreadPool] = []  # their stuck threads still count
+        self._batch_episodes = 1
         self._generate_thread = _DaemonThreadExecutor("marinrl-generate")
-        self.hung_threads = 0
+        self._stuck_scores = 0
         self._said_stuck = False
+        self._task: asyncio.Task[Any] | None = None  # the batch run() is running
+
+    @property
+    def hung_threads(self) -> int:
+        """Threads stuck in env calls that were cut off by their timeout and have not returned
+        since (a call that was only slow frees its thread when it returns)."""
+        pools = [*self._old_pools, *([self._env_pool] if self._env_pool else [])]
+        return self._stuck_scores + sum(pool.stuck for pool in pools)
 
     def close(self) -> None:
         self._env_thread.shutdown()
@@ -312,8 +332,30 @@ class EpisodeRunner:
 
     def run(self, *args: Any, **kwargs: Any) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
         """:meth:`run_async` on the runner's own event loop (kept for the life of the runner,
-        so an async env may hold loop-bound resources across batches)."""
-        return self._loop.run_until_complete(self.run_async(*args, **kwargs))
+        so an async env may hold loop-bound resources across batches).
+
+        Raises:
+            BatchCancelled: :meth:`cancel` was called while the batch ran.
+        """
+        task = self._loop.create_task(self.run_async(*args, **kwargs))
+        self._task = task
+        try:
+            return self._loop.run_until_complete(task)
+        except asyncio.CancelledError:
+            raise BatchCancelled("the batch was cancelled: the worker is stopping") from None
+        finally:
+            self._task = None
+
+    def cancel(self) -> None:
+        """Cancel the batch :meth:`run` is running, if any (from any thread): its episodes stop
+        waiting for generation and env calls at once (a call already running on an env thread
+        is left to finish there), and :meth:`run` raises :class:`BatchCancelled`."""
+        task = self._task
+        if task is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
 
     # --- env calls ------------------------------------------------------------------------
 
@@ -347,10 +389,19 @@ class EpisodeRunner:
                 self._said_stuck = True
                 logger.error("%s", message)
             raise EpisodeFailure("error", message)
-        if on_thread and (self._env_pool is None or self._env_pool.size != limits.env_threads):
-            if self._env_pool is not None:
-                self._env_pool.shutdown()
-            self._env_pool = _DaemonThreadPool("marinrl-env-steps", limits.env_threads)
+        if on_thread:
+            # env_threads = 0: a thread for each episode of the batch (the pool only grows), so
+            # that every episode's hung call times out at once.
+            size = limits.env_threads or self._batch_episodes
+            if self._env_pool is None or (
+                limits.env_threads and self._env_pool.size != limits.env_threads
+            ):
+                if self._env_pool is not None:
+                    self._env_pool.shutdown()
+                    self._old_pools.append(self._env_pool)
+                self._env_pool = _DaemonThreadPool("marinrl-env-steps", size)
+            elif not limits.env_threads and size > self._env_pool.size:
+                self._env_pool.size = size
         pool = self._env_pool
         spent = [0.0]
         loop = asyncio.get_running_loop()
@@ -375,12 +426,14 @@ class EpisodeRunner:
                 # while it waits behind other episodes' calls (the episode deadline does).
                 waiting = asyncio.ensure_future(started.wait())
                 left = live.deadline - time.monotonic()
-                await asyncio.wait(
-                    {waiting, call},
-                    timeout=None if left == float("inf") else max(left, 0.0),
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                waiting.cancel()
+                try:
+                    await asyncio.wait(
+                        {waiting, call},
+                        timeout=None if left == float("inf") else max(left, 0.0),
+                        return_when=asyncio.FIRST_COMPLETED,
+                    )
+                finally:
+                    waiting.cancel()
                 if not started.is_set() and not call.done():
                     raise TimeoutError
             else:
@@ -395,9 +448,8 @@ class EpisodeRunner:
         except TimeoutError:
             spent[0] = time.perf_counter() - start
             if on_thread and started.is_set() and pool is not None:
-                # The thread is stuck in that call: it is left behind, and another takes its
-                # place for the calls queued behind it.
-                self.hung_threads += 1
+                # The thread is stuck in that call: it is left behind (counted until the call
+                # returns, if ever), and another takes its place for the calls queued behind it.
                 pool.abandon(worker[0])
             raise EpisodeFailure(
                 "timeout",
@@ -441,6 +493,7 @@ class EpisodeRunner:
         """
         stop_tokens = response_stop_ids(self.tokenizer, sampling.stop_tokens)
         stop_set = set(stop_tokens)
+        self._batch_episodes = max(1, len(problems) * n)
         now = time.monotonic()
         deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
         lives = [
@@ -567,29 +620,38 @@ class EpisodeRunner:
             ready.extend(lives)
 
         # Later turns: whoever waits for an action, batched, with per-episode keys.
-        while running or ready:
-            if not ready:
-                wake.clear()
-                waiter = asyncio.ensure_future(wake.wait())
-                await asyncio.wait({waiter, *running}, return_when=asyncio.FIRST_COMPLETED)
-                waiter.cancel()
-                continue
-            batch, ready[:] = list(ready[:largest]), ready[largest:]
-            expired = [live for live in batch if time.monotonic() > live.deadline]
-            for live in expired:
-                finish(live, EpisodeFailure("timeout", "episode timed out"))
-            batch = [live for live in batch if live not in expired]
-            if not batch:
-                continue
-            samples = await generate(
-                batch,
-                prompts=[live.tokens for live in batch],
-                n=1,
-                seed=seed,
-                prompt_seeds=[episode_seed(seed, live.index, live.turn) for live in batch],
-            )
-            for live, sample in zip(batch, samples):
-                spawn(act(live, sample[0]))
+        try:
+            while running or ready:
+                if not ready:
+                    wake.clear()
+                    waiter = asyncio.ensure_future(wake.wait())
+                    try:
+                        await asyncio.wait({waiter, *running}, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        waiter.cancel()
+                    continue
+                batch, ready[:] = list(ready[:largest]), ready[largest:]
+                expired = [live for live in batch if time.monotonic() > live.deadline]
+                for live in expired:
+                    finish(live, EpisodeFailure("timeout", "episode timed out"))
+                batch = [live for live in batch if live not in expired]
+                if not batch:
+                    continue
+                samples = await generate(
+                    batch,
+                    prompts=[live.tokens for live in batch],
+                    n=1,
+                    seed=seed,
+                    prompt_seeds=[episode_seed(seed, live.index, live.turn) for live in batch],
+                )
+                for live, sample in zip(batch, samples):
+                    spawn(act(live, sample[0]))
+        finally:
+            # Cancelled (the worker is stopping): the episodes' tasks stop waiting too.
+            for task in list(running):
+                task.cancel()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
         return [[lives[i * n + k].result for k in range(n)] for i in range(len(problems))], timing
 
     async def _score_single_turn(
@@ -671,7 +733,7 @@ class EpisodeRunner:
                     break
                 # Call ``index`` overran: it fails, its thread is left behind, the rest go on.
                 abandoned.add(first)
-                self.hung_threads += 1
+                self._stuck_scores += 1
                 stuck = self._env_thread
                 self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
                 stuck.hand_over(self._env_thread)

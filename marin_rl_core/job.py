@@ -53,6 +53,9 @@ from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
 logger = logging.getLogger(__name__)
 _UNSET: Any = object()
 
+LOG_TIMEOUT_S = 60.0
+"""How long the trainer waits for the metrics actor to write a step's row."""
+
 
 @attrs.frozen(kw_only=True)
 class WorkerConfig:
@@ -233,6 +236,8 @@ class TrainerService(_SetUpError):
         _worker_logging(wc.run_dir, "trainer")
         logger.info("trainer process %d", os.getpid())
         curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        import ray
+
         from marin_rl_core import compile_cache
         from marin_rl_core.trainer import Trainer
 
@@ -249,7 +254,10 @@ class TrainerService(_SetUpError):
             run_dir=wc.run_dir,
             reader=storage.reader(),
             weight_server=self.server,
-            log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+            # Awaited: a step's row is in metrics.jsonl before its checkpoint is written.
+            log=lambda metrics, *, step, source: ray.get(
+                hub.log.remote(metrics, step=step, source=source), timeout=LOG_TIMEOUT_S
+            ),
             curriculum_state=proxy.state_dict,
         )
 
@@ -311,6 +319,7 @@ class RolloutService(_SetUpError):
         import ray
 
         curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        hub.worker_started.remote(wc.index, os.getpid())  # restarts during set-up are counted
 
         logger.info(
             "rollout worker %d process %d on node %s (%s)",
@@ -847,8 +856,9 @@ class RLJob:
             # Each rollout worker goes on after the last batch the checkpoint received, so the
             # resumed run draws the problems the uninterrupted one would have drawn.
             positions = {int(k): int(v) for k, v in info["positions"].items()}
-            if start_step or info["curriculum"] is not None:
-                dropped = ray.get(hub.resume_at.remote(start_step))
+            # (A run resumed before its first checkpoint starts again at step 0.)
+            dropped = ray.get(hub.resume_at.remote(start_step))
+            if start_step or dropped:
                 logger.info(
                     "resuming at step %d (%d metric rows of later steps dropped)",
                     start_step,
@@ -1049,35 +1059,56 @@ class _Watch:
                 self.pid_refs[i] = self.rollouts[i].process.remote()  # still restarting
                 continue
             except ray.exceptions.RayActorError as exc:
+                died = max(self.restarts[i] + 1, len(self._processes(i)))
                 raise WorkerLostError(
-                    f"rollout worker {i} died {self.restarts[i] + 1} times, more than "
+                    f"rollout worker {i} died {died} times, more than "
                     f"faults.worker_restarts = {self.faults.worker_restarts} restarts allow "
                     f"({_first_line(exc)}). The job stopped with a checkpoint; see {log}, then "
                     f"resume with `{self.job.resume_command()}`."
                 ) from None
             previous, self.pids[i] = self.pids[i], pid
+            if previous is None:
+                # The first answer: the run handed out at the start waited for Ray's restarts
+                # of a worker whose process died while setting up; count and log them.
+                for dead in (p for p in self._processes(i) if p != pid):
+                    self._restarted(i, dead, pid, "while setting up")
             if i in self.runs:
-                continue  # the first answer of a worker that is running
+                continue  # a worker that is running
             delay = 0.0
             if previous is not None and pid != previous:
-                self.restarts[i] += 1
-                delay = self.faults.restart_backoff_s * 2 ** (self.restarts[i] - 1)
-                logger.warning(
-                    "rollout worker %d died (process %d); restart %d of %d (process %d), its "
-                    "work handed back in %.1f s",
-                    i,
-                    previous,
-                    self.restarts[i],
-                    self.faults.worker_restarts,
-                    pid,
-                    delay,
-                )
-                self.hub.log.remote(
-                    {"faults/rollout_worker_restarts": float(sum(self.restarts))},
-                    step=self.step,
-                    source="faults",
-                )
+                delay = self._restarted(i, previous, pid)
             self.due[i] = time.monotonic() + delay
+
+    def _processes(self, i: int) -> list[int]:
+        """The processes rollout worker ``i`` has had (as they told the metrics hub)."""
+        import ray
+
+        try:
+            return list(ray.get(self.hub.worker_processes.remote(i), timeout=10))
+        except Exception:  # noqa: BLE001 - the count is for the message and the metric only
+            return []
+
+    def _restarted(self, i: int, dead: int, pid: int, when: str = "") -> float:
+        """Count, log and record rollout worker ``i``'s restart; returns the backoff before
+        its work is handed back."""
+        self.restarts[i] += 1
+        delay = self.faults.restart_backoff_s * 2 ** (self.restarts[i] - 1)
+        logger.warning(
+            "rollout worker %d died%s (process %d); restart %d of %d (process %d)%s",
+            i,
+            f" {when}" if when else "",
+            dead,
+            self.restarts[i],
+            self.faults.worker_restarts,
+            pid,
+            "" if when else f", its work handed back in {delay:.1f} s",
+        )
+        self.hub.log.remote(
+            {"faults/rollout_worker_restarts": float(sum(self.restarts))},
+            step=self.step,
+            source="faults",
+        )
+        return delay
 
     def _hand_out_restarts(self) -> None:
         now = time.monotonic()

@@ -4,7 +4,9 @@ Every row is one JSON object with a ``step`` (the trainer step whose weights the
 about), a ``source`` (``train``, ``rollout``, ``eval``) and a wall-clock ``time``. The trainer and
 each rollout worker send rows to one :class:`MetricsHub` (a Ray actor in a job), which appends
 them to the file, forwards them to wandb/tensorboard through levanter's trackers when configured,
-and remembers the latest values for the driver's progress bar.
+and remembers the latest values for the driver's progress bar. Being the one actor every worker
+finds by name, it also keeps which processes each rollout worker has had, so that the driver can
+count restarts Ray made while a worker was still setting up.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ class MetricsHub:
         self._external = [
             _make_tracker(name, run_dir, run_id) for name in trackers if name != "jsonl"
         ]
+        self._processes: dict[int, list[int]] = {}
+
+    def worker_started(self, index: int, pid: int) -> None:
+        """Rollout worker ``index`` started setting up in process ``pid`` (again, when Ray
+        restarted it)."""
+        self._processes.setdefault(int(index), []).append(int(pid))
+
+    def worker_processes(self, index: int) -> list[int]:
+        """The processes rollout worker ``index`` has had, oldest first."""
+        return list(self._processes.get(int(index), []))
 
     def log(self, metrics: Mapping[str, Any], *, step: int, source: str) -> None:
         row = {"step": int(step), "source": source, "time": time.time()}
@@ -77,23 +89,11 @@ class MetricsHub:
         """A run resumed from the checkpoint of ``step``: drop the rows of later steps (the dead
         run logged them, and they are about to be trained again), so that every step has one
         set of rows. Returns the number of rows dropped."""
-        rows = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-        kept = []
-        for line in rows:
-            try:
-                if int(json.loads(line)["step"]) > step:
-                    continue
-            except (ValueError, KeyError, TypeError):
-                continue  # a damaged or partly written line
-            kept.append(line)
-        dropped = len(rows) - len(kept)
-        if dropped:
-            self._file.close()
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            tmp.replace(self.path)
+        self._file.close()
+        try:
+            return drop_rows_after(self.path, step)
+        finally:
             self._file = self.path.open("a", buffering=1)
-        return dropped
 
     def latest(self) -> dict[str, Any]:
         """The most recent value of every metric (plus ``<source>_step``, and ``write_error``
@@ -124,6 +124,29 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
 
         return TensorboardConfig(logdir=str(Path(run_dir) / "tensorboard")).init(run_id or None)
     raise ValueError(f"unknown tracker {name!r}")
+
+
+def drop_rows_after(path: str | Path, step: int) -> int:
+    """Rewrite the JSON-lines file ``path`` without its rows of steps after ``step`` (and its
+    damaged lines); returns how many lines went. A missing file has none."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    rows = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for line in rows:
+        try:
+            if int(json.loads(line)["step"]) > step:
+                continue
+        except (ValueError, KeyError, TypeError):
+            continue  # a damaged or partly written line
+        kept.append(line)
+    dropped = len(rows) - len(kept)
+    if dropped:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+    return dropped
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:

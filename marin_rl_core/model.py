@@ -253,9 +253,7 @@ def load_hf_checkpoint(
         hf_config.no_bias = True
     lev_config = lev_config_cls.from_hf_config(hf_config)
     if hasattr(lev_config, "gradient_checkpointing"):
-        lev_config = dataclasses.replace(
-            lev_config, gradient_checkpointing=gradient_checkpointing
-        )
+        lev_config = dataclasses.replace(lev_config, gradient_checkpointing=gradient_checkpointing)
     # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
     # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
     quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")

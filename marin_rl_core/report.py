@@ -93,7 +93,10 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
     rows, damaged = read_metrics_counted(run_dir)
     train = [r for r in rows if r.get("source") == "train"]
     summary: dict[str, Any] = {
-        "run_dir": str(run_dir), "train_steps": 0, "rows": len(rows), "damaged_rows": damaged,
+        "run_dir": str(run_dir),
+        "train_steps": 0,
+        "rows": len(rows),
+        "damaged_rows": damaged,
     }
     if train:
         last = train[-1]

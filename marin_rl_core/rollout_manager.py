@@ -38,6 +38,10 @@ from marin_rl_core.types import (
 logger = logging.getLogger(__name__)
 
 SCORE_METRIC_PREFIX = "score/"
+
+WARM_UP_STEP_TIMEOUT_S = 5.0
+"""The longest one env call of the sampler's warm-up batch may take (at most
+``episodes.step_timeout_s``): a hung env must not hold a rollout worker's set-up."""
 """``sample_batch`` reports the mean of each :class:`~marin_rl_core.types.Score` metric under
 this prefix (``score/correct``)."""
 
@@ -158,6 +162,12 @@ class RolloutManager:
         self._envs.clear()
         self._runner.close()
 
+    def cancel(self) -> None:
+        """Cancel the batch being sampled, if any (thread-safe): it raises
+        :class:`~marin_rl_core.episodes.BatchCancelled` at once rather than waiting for its
+        episodes (a hung env call's timeout among them)."""
+        self._runner.cancel()
+
     # --- envs ---------------------------------------------------------------------------------
 
     def env(self, lesson_id: str) -> MultiTurnEnv:
@@ -178,10 +188,13 @@ class RolloutManager:
                 self._envs[lesson_id] = as_multi_turn(build(env_config))
         return self._envs[lesson_id]
 
-    def _env_error(self, lesson_id: str, what: str, exc: Exception) -> None:
+    def _env_error(self, lesson_id: str, what: str, exc: Exception, *, quiet: bool = False) -> None:
         # An episode's failure carries the env's own exception as its cause: its traceback
         # (with the env's file and line) is what the log needs.
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        if quiet:  # the warm-up's: the real batches meet it again and say so
+            logger.debug("warm-up: lesson %s: %s: %s: %s", lesson_id, what, type(exc).__name__, exc)
+            return
         self.last_env_error = f"lesson {lesson_id}, {what}: {type(exc).__name__}: {exc}"
         if lesson_id not in self._errors_logged:
             self._errors_logged.add(lesson_id)
@@ -210,6 +223,7 @@ class RolloutManager:
         sampling: SamplingParams | None = None,
         worker_index: int | None = None,
         batch_index: int | None = None,
+        warm_up: bool = False,
     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pose ``n_examples`` problems and run ``n_generations`` episodes of each (one turn for
         a single-turn env: sample a response, score it); see :mod:`marin_rl_core.episodes`.
@@ -218,7 +232,7 @@ class RolloutManager:
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
         attached to every rollout, and metrics: ``reward`` (mean episode reward), ``env_errors``
         (problems whose episodes raised), ``env_timeouts`` (episodes cut off by a timeout),
-        ``env_hung_threads`` (threads this worker has left stuck in env calls so far),
+        ``env_hung_threads`` (threads stuck in env calls that were cut off and have not returned),
         ``prompts_too_long`` (problems dropped because their prompt does not fit
         ``model.max_seq_len``), ``frac_truncated``, ``turns`` (mean actions per episode),
         ``tokens``, ``generated_tokens``, ``seconds`` (in generation calls), ``score_seconds``
@@ -226,6 +240,10 @@ class RolloutManager:
         ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
         averaged over the rollouts that report it.
+
+        ``warm_up``: a throw-away batch that compiles the sampler: env calls are cut off after
+        at most :data:`WARM_UP_STEP_TIMEOUT_S` (a hung env does not hold up the worker's
+        set-up), and env errors are not logged (the real batches log them).
         """
         lesson = self.lessons[lesson_id]
         if sampling is None:
@@ -236,11 +254,15 @@ class RolloutManager:
             )
         env = self.env(lesson_id)
         env_name = lesson.env or self.config.env.name
+        limits = self.config.episodes
+        if warm_up:
+            bound = min(limits.step_timeout_s or WARM_UP_STEP_TIMEOUT_S, WARM_UP_STEP_TIMEOUT_S)
+            limits = attrs.evolve(limits, step_timeout_s=bound)
         env_errors = too_long = 0
         try:
             problems = env.sample_problems(n_examples, mode=mode, seed=seed)  # type: ignore[arg-type]
         except Exception as exc:
-            self._env_error(lesson_id, "posing problems", exc)
+            self._env_error(lesson_id, "posing problems", exc, quiet=warm_up)
             return None, {"env_errors": float(n_examples)}
         from marin_rl_core.tokenizer import encode_prompt
 
@@ -252,7 +274,7 @@ class RolloutManager:
             try:
                 tokens = encode_prompt(self.tokenizer, problem, use_chat_template=chat)
             except Exception as exc:
-                self._env_error(lesson_id, f"tokenizing problem {problem.id}", exc)
+                self._env_error(lesson_id, f"tokenizing problem {problem.id}", exc, quiet=warm_up)
                 env_errors += 1
                 continue
             if not 0 < len(tokens) <= limit:
@@ -279,7 +301,7 @@ class RolloutManager:
                 n=n_generations,
                 sampling=sampling,
                 seed=seed,
-                limits=self.config.episodes,
+                limits=limits,
                 env_name=env_name,
                 lesson_id=lesson_id,
             )
@@ -308,7 +330,7 @@ class RolloutManager:
                 # The group's advantages need every episode: a failed one loses the group.
                 worst = next((f for f in failures if f.kind == "error"), failures[0])
                 what = f"running problem {problem.id}"
-                self._env_error(lesson_id, what, worst)
+                self._env_error(lesson_id, what, worst, quiet=warm_up)
                 env_errors += any(f.kind == "error" for f in failures)
                 continue
             rollouts = [

@@ -168,7 +168,9 @@ class RolloutWorker:
         """Compile what the first batch needs (a training batch of the first lesson) before the
         trainer is ready, on throw-away problems: nothing is written, logged or told to the
         curriculum. Returns the seconds it took; a failure here only logs a warning (the real
-        batch will meet it again). The held-out eval is not warmed up: worker 0 runs it after
+        batch will meet it again), and env calls are cut off early
+        (:data:`~marin_rl_core.rollout_manager.WARM_UP_STEP_TIMEOUT_S`), so a hung env does not
+        hold up the worker's set-up. The held-out eval is not warmed up: worker 0 runs it after
         writing the batch of its step, while the trainer compiles and takes its first step.
 
         Only with the dense sampler, whose batches are cheap by construction and whose shapes
@@ -188,6 +190,7 @@ class RolloutWorker:
                 seed=self._seed(self.next_batch) ^ 0x5EED,
                 weight_step=0,
                 worker_id=self.worker_id,
+                warm_up=True,
             )
         except Exception as exc:  # noqa: BLE001 - warming up is an optimisation only
             logger.warning("warming up the sampler failed (%s: %s)", type(exc).__name__, exc)
@@ -278,7 +281,12 @@ class RolloutWorker:
     # --- the loop -----------------------------------------------------------------------------
 
     def request_stop(self) -> None:
+        """Stop :meth:`run` (thread-safe): the batch being sampled is cancelled, not waited
+        for, and is not counted (a resumed run samples it again)."""
         self._stop.set()
+        manager = getattr(self, "manager", None)
+        if manager is not None:
+            manager.cancel()
 
     def _seed(self, counter: int) -> int:
         return batch_seed(self.config.seed, self.worker_index, counter, salt=self.seed_salt)
@@ -342,6 +350,17 @@ class RolloutWorker:
 
     def run(self, *, max_batches: int | None = None) -> dict[str, int]:
         """Generate and ship rollout batches until stopped; returns counters."""
+        from marin_rl_core.episodes import BatchCancelled
+
+        try:
+            return self._run(max_batches)
+        except BatchCancelled:
+            if not self._stop.is_set():
+                raise
+            logger.info("worker %s: stopped; the batch being sampled was cancelled", self.worker_id)
+            return self.counters()
+
+    def _run(self, max_batches: int | None) -> dict[str, int]:
         self.wait_for_weights(0)
         counter = self.next_batch
         eval_every = self.config.eval.frequency

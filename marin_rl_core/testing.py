@@ -85,54 +85,95 @@ def _protocol(record: PluginRecord) -> type:
     return getattr(protocols, record.protocol_name)
 
 
-def check_env(record: EnvPlugin) -> None:
+CALL_TIMEOUT_S = 60.0
+"""How long one call into a plugin may take in the contract checks before they fail."""
+
+
+def _within(timeout_s: float, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` on a daemon thread, failing the check when it has not returned
+    within ``timeout_s`` (a hung env would otherwise hang the test run; the thread is left
+    behind, as a job leaves a hung env thread)."""
+    import threading
+
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            out["value"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            out["error"] = exc
+
+    thread = threading.Thread(target=call, name=f"check: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise AssertionError(
+            f"{what} did not return within {timeout_s:g} s. In a job a call that hangs holds "
+            "its episode until episodes.step_timeout_s and a thread for good: make it return "
+            "(bound the env's own waits), or pass a larger timeout_s to the check if it is "
+            "only slow"
+        )
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def check_env(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
     """Contract of an env: problems per mode and seed, determinism, and grading: ``score``
     returns a float or ``Score`` (single-turn), or ``reset`` returns an episode whose ``step``
-    returns a ``Step`` (multi-turn; stepped once with the reference answer)."""
+    returns a ``Step`` (multi-turn; stepped once with the reference answer). Every call into
+    the env must return within ``timeout_s``."""
     import asyncio
     import inspect
 
-    env = record.build(check_config_class(record))
+    name = f"env {record.name!r}"
+    env = _within(timeout_s, f"{name}: build()", record.build, check_config_class(record))
     multi_turn = isinstance(env, protocols.MultiTurnEnv)
     assert multi_turn or isinstance(env, protocols.Env), (
-        f"env {record.name!r}: build() must return an Env (sample_problems + score) or a "
+        f"{name}: build() must return an Env (sample_problems + score) or a "
         "MultiTurnEnv (sample_problems + reset)"
     )
     for mode in ("train", "eval"):
-        problems = env.sample_problems(3, mode=mode, seed=0)
+        what = f"{name}: sample_problems(3, mode={mode!r}, seed=0)"
+        problems = _within(timeout_s, what, env.sample_problems, 3, mode=mode, seed=0)
         assert len(problems) == 3 and all(isinstance(p, Problem) for p in problems)
-        again = env.sample_problems(3, mode=mode, seed=0)
+        again = _within(timeout_s, what, env.sample_problems, 3, mode=mode, seed=0)
         assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
         for problem in problems:
             assert isinstance(problem.prompt, str) and (problem.prompt or problem.messages)
             if multi_turn:
-                episode = env.reset(problem)
+                episode = _within(timeout_s, f"{name}: reset({problem.id!r})", env.reset, problem)
                 assert isinstance(episode, protocols.Episode), (
-                    f"env {record.name!r}: reset() must return an episode with a step() method"
+                    f"{name}: reset() must return an episode with a step() method"
                 )
-                step = episode.step(Action(text=problem.answer))
-                if inspect.isawaitable(step):
-                    step = asyncio.run(_awaited(step))
-                assert isinstance(step, Step), (
-                    f"env {record.name!r}: step() must return a Step, got {step!r}"
-                )
+
+                def step_once(episode: Any = episode, problem: Problem = problem) -> Any:
+                    step = episode.step(Action(text=problem.answer))
+                    if inspect.isawaitable(step):
+                        step = asyncio.run(_awaited(step))
+                    return step
+
+                what = f"{name}: step() of problem {problem.id!r} with its answer"
+                step = _within(timeout_s, what, step_once)
+                assert isinstance(step, Step), f"{name}: step() must return a Step, got {step!r}"
                 close = getattr(env, "close", None)
                 if close is not None:
-                    close(episode)
+                    _within(timeout_s, f"{name}: close()", close, episode)
                 continue
-            score = env.score(problem, problem.answer)
+            what = f"{name}: score() of problem {problem.id!r}"
+            score = _within(timeout_s, what, env.score, problem, problem.answer)
             assert isinstance(score, float | Score), (
-                f"env {record.name!r}: score() must return a float or a Score, got {score!r}"
+                f"{name}: score() must return a float or a Score, got {score!r}"
             )
     if record.default_lessons is not None:
-        check_default_lessons(record)
+        check_default_lessons(record, timeout_s=timeout_s)
 
 
 async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def check_default_lessons(record: EnvPlugin) -> None:
+def check_default_lessons(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
     """An env's ``default_lessons`` make a curriculum a run accepts: lessons with unique ids,
     dependencies on lessons that exist and no cycle, and ``env_config`` overrides that
     structure into the env's config class and build an env that poses problems."""
@@ -164,7 +205,12 @@ def check_default_lessons(record: EnvPlugin) -> None:
                 f"{name}: lesson {lesson.id!r}'s env_config {dict(lesson.env_config)!r} is not a "
                 f"valid {record.config_class.__name__}: {exc}"
             ) from exc
-        problems = record.build(config).sample_problems(2, mode="train", seed=0)
+        what = f"{name}: lesson {lesson.id!r}: build() and sample_problems(2)"
+        problems = _within(
+            timeout_s,
+            what,
+            lambda c=config: record.build(c).sample_problems(2, mode="train", seed=0),
+        )
         assert problems, f"{name}: lesson {lesson.id!r} poses no problem"
 
 
@@ -387,12 +433,17 @@ CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 
-def check_plugin(record: PluginRecord) -> None:
-    """Run the contract checks for ``record``'s kind."""
-    CHECKS[record.kind](record)
+def check_plugin(record: PluginRecord, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Run the contract checks for ``record``'s kind; an env call that takes longer than
+    ``timeout_s`` fails the check instead of hanging it."""
+    if record.kind == "env":
+        check_env(record, timeout_s=timeout_s)
+    else:
+        CHECKS[record.kind](record)
 
 
 __all__ = [
+    "CALL_TIMEOUT_S",
     "CHAT_TEMPLATES",
     "as_transformers5_layout",
     "CHECKS",

@@ -39,6 +39,7 @@ from marin_rl_core.checkpoint import (
 )
 from marin_rl_core.config import MeshConfig, RLJobConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError, MarinRLError
+from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import Rollout
@@ -609,6 +610,9 @@ class Trainer:
             jax.devices()[0].platform,
             self.learner.mp,
         )
+        # Samples of steps after the checkpoint (written by a run that died) give way to the
+        # steps trained again, as their metric rows do.
+        drop_rows_after(self.run_dir / "samples.jsonl", self.step)
         self.replay.set_current_step(self.step)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
@@ -887,14 +891,18 @@ class Trainer:
             stages["step_seconds"] += metrics["step_seconds"]
             if self.step % t.sync_interval_steps == 0 or self.step == total:
                 stages["publish_seconds"] += _timed(self.publish)
-            if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
-                stages["checkpoint_seconds"] += _timed(self.checkpoint)
             steps_since_log += 1
+            # The step's row and samples are written before its checkpoint: a trainer killed
+            # right after a checkpoint must not leave the resumed run without them (rows of
+            # steps after the checkpoint are dropped on resume). The checkpoint's seconds go to
+            # the next row.
             if self.step % self.config.logging.log_every == 0 or self.step == total:
                 metrics.update({k: v / steps_since_log for k, v in stages.items()})
                 stages, steps_since_log = dict.fromkeys(STAGE_KEYS, 0.0), 0
                 self._log(metrics, step=self.step, source="train")
             self._write_samples(rollouts)
+            if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
+                stages["checkpoint_seconds"] += _timed(self.checkpoint)
         if self.last_checkpoint_step != self.step:
             self.checkpoint()
         self.publish()

@@ -60,7 +60,9 @@ def main() -> None:
             {
                 "devices": jax.device_count(),
                 "sharded": any(not x.sharding.is_fully_replicated for x in leaves),
-                "dtypes": sorted({str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}),
+                "dtypes": sorted(
+                    {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
+                ),
                 "max_logprob_gap": gap,
                 "n_tokens": int(sum(s.tokens.size for _, s in pairs)),
                 "greedy_equal": greedy[:half] == greedy[half:],

@@ -50,3 +50,41 @@ def test_the_contract_check_catches_default_lessons_a_run_would_refuse():
         check_default_lessons(record(LessonConfig(id="a"), LessonConfig(id="a")))
     assert isinstance(math, EnvPlugin)
     check_default_lessons(math)  # the shipped lessons pass
+
+
+def test_the_contract_check_fails_an_env_call_that_hangs_instead_of_hanging():
+    """A multi-turn env whose step never returns: the check names the call and gives up after
+    its timeout (an unbounded check hung a plugin author's test run for good)."""
+    import threading
+
+    import attrs
+
+    from marin_rl_core.testing import check_plugin
+
+    release = threading.Event()
+
+    class HangingEpisode:
+        def step(self, action):
+            release.wait()  # hangs until the test ends
+
+    guess = REGISTRY.get("env", "guess")
+    inner_build = guess.build
+
+    class HangingEnv:
+        def __init__(self, env):
+            self.env = env
+
+        def sample_problems(self, n, *, mode, seed):
+            return self.env.sample_problems(n, mode=mode, seed=seed)
+
+        def reset(self, problem):
+            return HangingEpisode()
+
+    record = attrs.evolve(guess, build=lambda config: HangingEnv(inner_build(config)))
+    try:
+        with pytest.raises(AssertionError, match=r"env 'guess': step\(\) of problem .* did not "
+                           r"return within 0.5 s"):  # fmt: skip
+            check_plugin(record, timeout_s=0.5)
+    finally:
+        release.set()
+    check_plugin(guess, timeout_s=30)  # the real one passes

@@ -173,6 +173,7 @@ class ProbeConfig:
     behaviour: str = "async_wait"
     delay_s: float = 0.05
     hang_problem: str = "1"
+    hang_s: float = 3600.0  # how long a "hung" plain step sleeps
 
 
 class ProbeEpisode:
@@ -206,7 +207,7 @@ class ProbeEpisode:
         if c.behaviour == "sync_hang" and self.problem.id == c.hang_problem:
             with self.env.lock:
                 self.env.hang_starts.append(time.monotonic())
-            time.sleep(3600)
+            time.sleep(c.hang_s)
         if c.behaviour == "raise" and self.problem.id == c.hang_problem:
             raise RuntimeError("the sandbox fell over")
         if c.behaviour == "crash" and self.problem.id == c.hang_problem:
@@ -317,7 +318,9 @@ def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog
     assert max(env.hang_starts) - min(env.hang_starts) < 1.0
     assert sorted({r.problem_id for r in batch.rollouts}) == ["0", "2", "3"]
     # One thread (an env that is not thread-safe): the calls come one at a time.
-    serial, serial_env = _probe("sync_hang", "episodes.step_timeout_s=0.5", "episodes.env_threads=1")
+    serial, serial_env = _probe(
+        "sync_hang", "episodes.step_timeout_s=0.5", "episodes.env_threads=1"
+    )
     _, metrics = _sample(serial, n_generations=2)
     gaps = np.diff(sorted(serial_env.hang_starts))
     assert len(serial_env.hang_starts) == 2 and gaps.min() >= 0.5
@@ -327,6 +330,50 @@ def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog
     assert batch is None and metrics["env_errors"] == 4 and len(env.hang_starts) == 4
     assert "4 env threads are stuck in calls that never returned" in caplog.text
     assert "episodes.env_processes" in caplog.text
+
+
+@pytest.mark.parametrize("behaviour", ["sync_hang", "async_hang"])
+def test_a_stopping_worker_cancels_a_batch_stuck_in_env_steps(behaviour):
+    """A batch waiting on hung steps (timeout 600 s) is cancelled from another thread, as a
+    stopping worker does: sample_batch raises BatchCancelled at once, and the runner serves
+    the next batch."""
+    from marin_rl_core.episodes import BatchCancelled
+
+    manager, env = _probe(behaviour, "episodes.step_timeout_s=600")
+    outcome: list[BaseException | object] = []
+
+    def sample() -> None:
+        try:
+            outcome.append(_sample(manager))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (env.hang_starts or env.in_flight):
+        time.sleep(0.05)  # until a step hangs
+    manager.cancel()
+    thread.join(60)
+    assert not thread.is_alive(), "the cancelled batch still waits for its hung steps"
+    assert isinstance(outcome[0], BatchCancelled), outcome
+    env.config = attrs.evolve(env.config, behaviour="async_wait")  # the env recovered
+    batch, _ = _sample(manager, seed=1)
+    assert len(batch.rollouts) == 16
+
+
+def test_a_step_that_was_only_slow_frees_its_thread_when_it_returns():
+    """A plain step that overruns its timeout but returns later is no longer counted as
+    stuck: only calls that never return use up MAX_HUNG_THREADS."""
+    manager, env = _probe("sync_hang", "episodes.step_timeout_s=0.5", "env.hang_s=1.5")
+    _, metrics = _sample(manager)
+    assert metrics["env_timeouts"] == 4 and metrics["env_hung_threads"] == 4
+    deadline = time.monotonic() + 30
+    while manager._runner.hung_threads and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert manager._runner.hung_threads == 0
+    _, metrics = _sample(manager, seed=1)
+    assert metrics["env_hung_threads"] == 4  # this batch's four, not eight
 
 
 @pytest.mark.parametrize("behaviour", ["hang", "raise"])
@@ -608,7 +655,9 @@ def uniform_qwen2(tmp_path_factory):
         model.lm_head.weight.zero_()
     model.save_pretrained(str(path), safe_serialization=True)
     eos = AutoTokenizer.from_pretrained(str(path)).eos_token_id
-    GenerationConfig(eos_token_id=eos).save_pretrained(str(path))  # the end of turn only in the template
+    GenerationConfig(eos_token_id=eos).save_pretrained(
+        str(path)
+    )  # the end of turn only in the template
     return path
 
 

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -361,9 +362,38 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
     assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
 
 
-def test_a_rollout_worker_restarted_at_the_end_evaluates_the_final_weights(
+def test_a_rollout_worker_killed_while_setting_up_is_restarted_counted_and_logged(
     tmp_path, tiny_mock_job
 ):
+    """SIGKILL rollout worker 0 before its sampler has warmed up: Ray restarts it, the job
+    finishes, and the restart is in driver.log and the restart counter like any other."""
+    run_dir = tmp_path / "setup-dies"
+    log = run_dir / "logs" / "rollout-0.log"
+    proc = _start_job(
+        tmp_path, "setup-dies", tiny_mock_job, "--set", "trainer.num_train_steps=3",
+        "--set", "faults.restart_backoff_s=0.1",
+    )  # fmt: skip
+    _wait_for(proc, "rollout worker 0's process", lambda: _pid(log, "rollout worker 0 process"))
+    first = _pid(log, "rollout worker 0 process")
+    os.kill(first, signal.SIGKILL)
+    assert "sampler warmed up" not in log.read_text(), "the kill came after set-up"
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert _train_steps(run_dir) == [1, 2, 3]
+    second = _pid(log, "rollout worker 0 process")
+    assert second is not None and second != first, "a new process took over"
+    driver = (run_dir / "driver.log").read_text()
+    assert (
+        f"rollout worker 0 died while setting up (process {first}); restart 1 of 3 "
+        f"(process {second})" in driver
+    ), driver[-3000:]
+    from marin_rl_core.metrics import read_metrics
+
+    restarts = [r for r in read_metrics(run_dir) if "faults/rollout_worker_restarts" in r]
+    assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
+
+
+def test_a_rollout_worker_restarted_at_the_end_evaluates_the_final_weights(tmp_path, tiny_mock_job):
     """Rollout worker 0 runs the final eval. Killed mid-run and restarted with a long backoff,
     it has not had its run (nor a connection to the trainer) when training ends: it still
     evaluates the final weights, promptly, and the eval is logged at the final step (it used
@@ -438,6 +468,10 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
     assert not list(elsewhere.iterdir()), "nothing is written where the command ran"
     steps = _train_steps(run_dir)
     assert steps == list(range(1, kept + 4)), "metrics continue without duplicate steps"
+    # samples.jsonl too: each step's rollouts once (32 per step in this job), none of the steps
+    # the dead run trained after its checkpoint.
+    sampled = Counter(json.loads(line)["step"] for line in (run_dir / "samples.jsonl").open())
+    assert sorted(sampled) == steps and len(set(sampled.values())) == 1, sampled
     assert "resumed from" in (run_dir / "logs" / "trainer.log").read_text()
 
     # After the resume, worker 0 goes on at the batch after the last one the checkpoint had
@@ -567,6 +601,109 @@ def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_pat
     assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
 
 
+BROKEN_ENV = """
+import threading
+
+import attrs
+
+from marin_rl_core import EnvPlugin, Problem, hookimpl
+
+
+@attrs.frozen
+class BrokenConfig:
+    fault: str = "raise"
+
+
+class Episode:
+    def __init__(self, fault):
+        self.fault = fault
+
+    def step(self, action):
+        if self.fault == "raise":
+            raise ConnectionError("the sandbox is gone")
+        threading.Event().wait()  # hangs for good
+
+
+class BrokenEnv:
+    def __init__(self, config):
+        self.config = config
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=f"{seed}-{i}", prompt=f"{i}+1=", answer=str(i + 1)) for i in range(n)]
+
+    def reset(self, problem):
+        return Episode(self.config.fault)
+
+
+@hookimpl
+def marinrl_register_envs():
+    yield EnvPlugin(name="broken", summary="a step that fails", config_class=BrokenConfig,
+                    build=BrokenEnv)
+"""
+
+
+@pytest.mark.parametrize("fault", ["raise", "hang"])
+def test_an_env_whose_every_step_fails_stops_the_job_at_once_saying_why(
+    tmp_path, tiny_mock_job, fault
+):
+    """A third-party multi-turn env whose `step` always raises, or always hangs: the job stops
+    after the first batches of each worker (not after faults.stall_timeout_s, here 600 s) with
+    exit 12 and the cause, and the env's traceback is in the rollout worker's log. A hung step
+    holds up neither the sampler's warm-up nor the stop."""
+    (tmp_path / "brokenenv.py").write_text(BROKEN_ENV)
+    job = [arg if arg != "mock" else "broken" for arg in tiny_mock_job]
+    run_dir = tmp_path / "broken"
+    result = subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", "run", "--plugin", "brokenenv", *job,
+         "--set", f'env.fault="{fault}"', "--set", "episodes.step_timeout_s=2",
+         "--set", "faults.stall_timeout_s=600", "--set", f'run_dir="{tmp_path}"',
+         "--run-id", "broken"],
+        capture_output=True, text=True, timeout=400,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                                           os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    out = " ".join(result.stderr.split())
+    assert result.returncode == ExitCode.STALLED, result.stderr[-3000:]
+    assert "every problem of the first 3 batches of each rollout worker was dropped" in out, out
+    assert "no training step completed for" not in out
+    assert f"resume with `marinrl run --resume {run_dir}`" in out
+    assert "Traceback" not in result.stderr
+    rollout_log = (run_dir / "logs" / "rollout-0.log").read_text()
+    assert "sampler warmed up" in rollout_log
+    if fault == "raise":
+        assert "the sandbox is gone" in out, out  # the env's own error, quoted
+        assert "Traceback" in rollout_log and 'brokenenv.py", line' in rollout_log
+    else:
+        assert "episodes cut off by env timeouts" in out, out
+        assert "episodes.step_timeout_s" in out
+
+
+def test_ctrl_c_while_env_steps_hang_stops_without_waiting_for_their_timeout(tmp_path):
+    """Every env step hangs and may take 600 s: the sampler still warms up (its env calls are
+    cut off early), and Ctrl-C stops the job (exit 130, resumable) without waiting for the
+    hung steps: the batch being sampled is cancelled."""
+    (tmp_path / "brokenenv.py").write_text(BROKEN_ENV)
+    run_dir = tmp_path / "hung"
+    log = run_dir / "logs" / "rollout-0.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "marin_rl_core", "run", "--plugin", "brokenenv", "--env", "broken",
+         "--set", "trainer.batch_size=32", "--set", "sampling.n_prompts=4",
+         "--set", 'env.fault="hang"', "--set", "episodes.step_timeout_s=600",
+         "--set", f'run_dir="{tmp_path}"', "--run-id", "hung"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
+                                                           os.environ.get("PYTHONPATH", "")])},
+    )  # fmt: skip
+    _wait_for(proc, "the first batch", lambda: log.exists() and "now sampling" in log.read_text())
+    assert "sampler warmed up" in log.read_text()
+    time.sleep(1.0)  # the first batch's steps are hanging
+    os.kill(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)  # far less than the steps' 600 s timeout
+    assert proc.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
+    assert f"marinrl run --resume {run_dir}" in stderr and "Traceback" not in stderr
+    assert "the batch being sampled was cancelled" in log.read_text()
+
+
 def test_the_watchdog_counts_steps_not_logged_rows(cli, tmp_path, tiny_mock_job):
     """Train rows are logged every logging.log_every steps: with it raised (as users do for long
     runs), a healthy job whose steps are each far quicker than faults.stall_timeout_s, but which
@@ -616,7 +753,9 @@ def test_resume_needs_a_run_directory(cli, tmp_path):
     # A directory that does not exist (a typo) is named as such, by `eval` and `export` too.
     missing = tmp_path / "runs" / "rl-typo"
     for command in (["run", "--resume"], ["eval"], ["export"]):
-        result = cli(*command, str(missing), *([str(tmp_path / "out")] if command == ["export"] else []))
+        result = cli(
+            *command, str(missing), *([str(tmp_path / "out")] if command == ["export"] else [])
+        )
         assert result.exit_code == ExitCode.CONFIG, (command, result.output)
         assert f"{missing}: no such directory" in result.output, (command, result.output)
         assert "Traceback" not in result.output

@@ -214,9 +214,7 @@ def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, tmp_path):
     from marin_rl_core.testing import write_tiny_hf_checkpoint
 
     old = write_tiny_hf_checkpoint(tmp_path / "v4", "qwen3", rope_theta=1e6)
-    new = write_tiny_hf_checkpoint(
-        tmp_path / "v5", "qwen3", rope_theta=1e6, layout="transformers5"
-    )
+    new = write_tiny_hf_checkpoint(tmp_path / "v5", "qwen3", rope_theta=1e6, layout="transformers5")
     assert json.loads((new / "tokenizer_config.json").read_text())["tokenizer_class"] == (
         "TokenizersBackend"
     )
@@ -316,7 +314,9 @@ def test_a_checkpoints_max_seq_len_is_derived_from_the_lessons_prompts(cli, chec
     derived = tomllib.loads(result.stdout)["model"]["max_seq_len"]
     assert f"model.max_seq_len = {derived}: derived from the lessons' prompts" in result.output
     registry = build_registry()
-    config = resolve_config(registry, data={"model": {"checkpoint": qwen3}, "env": {"name": "math"}})
+    config = resolve_config(
+        registry, data={"model": {"checkpoint": qwen3}, "env": {"name": "math"}}
+    )
     assert config.model.max_seq_len == derived
     tokenizer = model_tokenizer(config.model)
     for lesson in config.curriculum.lessons:
@@ -327,7 +327,9 @@ def test_a_checkpoints_max_seq_len_is_derived_from_the_lessons_prompts(cli, chec
         )
         assert longest + config.sampling_for(lesson).max_tokens < derived <= 128
     # Set explicitly (or as "auto"), the user's value wins (or is derived the same way).
-    shown = cli("config", "show", "--model", qwen3, "--env", "math", "--set", "model.max_seq_len=40")
+    shown = cli(
+        "config", "show", "--model", qwen3, "--env", "math", "--set", "model.max_seq_len=40"
+    )
     assert tomllib.loads(shown.stdout)["model"]["max_seq_len"] == 40
     assert "derived" not in shown.output
     auto = cli("config", "show", "--model", qwen3, "--set", 'model.max_seq_len="auto"')

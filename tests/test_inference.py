@@ -21,7 +21,14 @@ from marin_rl_core.tokenizer import ArithmeticTokenizer
 from marin_rl_core.training_batch import training_batch_from_rollouts
 
 MAX_SEQ_LEN = 16
-CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=4, max_seq_len=MAX_SEQ_LEN)
+CONFIG = ModelConfig(
+    hidden_dim=32,
+    intermediate_dim=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    max_seq_len=MAX_SEQ_LEN,
+)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +178,11 @@ def test_sampler_logprobs_equal_trainer_logprobs(fresh, models, tok):
     np.testing.assert_allclose(trainer * mask, behaviour, atol=1e-4)
     # The list-based helper agrees too.
     helper = response_logprobs(
-        models[0], [r.prompt_tokens for r in rollouts], [r.response_tokens for r in rollouts],
-        max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id,
+        models[0],
+        [r.prompt_tokens for r in rollouts],
+        [r.response_tokens for r in rollouts],
+        max_seq_len=MAX_SEQ_LEN,
+        pad_id=tok.pad_id,
     )
     for r, got in zip(rollouts, helper):
         np.testing.assert_allclose(got, r.response_logprobs, atol=1e-4)
@@ -183,8 +193,12 @@ def test_tempered_sampling_reports_tempered_logprobs(fresh, models, tok):
     out = fresh.generate(prompts, n=2, temperature=0.5, max_tokens=4, seed=1)
     flat = [(p, s) for p, group in zip(prompts, out) for s in group]
     got = response_logprobs(
-        models[0], [p for p, _ in flat], [s.tokens for _, s in flat],
-        max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id, temperature=0.5,
+        models[0],
+        [p for p, _ in flat],
+        [s.tokens for _, s in flat],
+        max_seq_len=MAX_SEQ_LEN,
+        pad_id=tok.pad_id,
+        temperature=0.5,
     )
     for (_, s), want in zip(flat, got):
         np.testing.assert_allclose(s.logprobs, want, atol=1e-4)
@@ -201,14 +215,22 @@ def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, to
             for s in group:
                 rollouts.append(
                     Rollout.single_turn(
-                        env_name="mock", lesson_id=f"t{temperature}", problem_id=str(i),
-                        prompt_tokens=prompt, response_tokens=s.tokens,
-                        response_logprobs=s.logprobs, reward=0.0,
+                        env_name="mock",
+                        lesson_id=f"t{temperature}",
+                        problem_id=str(i),
+                        prompt_tokens=prompt,
+                        response_tokens=s.tokens,
+                        response_logprobs=s.logprobs,
+                        reward=0.0,
                     )
                 )
                 temps.append(temperature)
     batch = training_batch_from_rollouts(
-        rollouts, np.zeros(len(rollouts)), MAX_SEQ_LEN, tok.pad_id, temperature=temps,
+        rollouts,
+        np.zeros(len(rollouts)),
+        MAX_SEQ_LEN,
+        tok.pad_id,
+        temperature=temps,
         batch_size=len(rollouts) + 2,
     )
     np.testing.assert_allclose(batch.temperature.array, temps + [1.0, 1.0])
@@ -216,7 +238,9 @@ def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, to
         next_token_logprobs(models[0], batch.input_ids, temperature=batch.temperature).array
     )
     mask = np.asarray(batch.loss_mask.array)
-    np.testing.assert_allclose(trainer * mask, np.asarray(batch.behaviour_logprobs.array), atol=1e-4)
+    np.testing.assert_allclose(
+        trainer * mask, np.asarray(batch.behaviour_logprobs.array), atol=1e-4
+    )
     # One shared temperature would get the 0.5-tempered rows wrong.
     shared = np.asarray(next_token_logprobs(models[0], batch.input_ids, temperature=1.5).array)
     assert not np.allclose(shared * mask, np.asarray(batch.behaviour_logprobs.array), atol=1e-3)
@@ -272,11 +296,18 @@ def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, 
     that fills a page decoded from the wrong cache entries."""
     max_seq_len = 40
     engine = make_sampler(kind, models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
-    prompts = [[tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)] for length in (15, 16, 17, 30)]
+    prompts = [
+        [tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)]
+        for length in (15, 16, 17, 30)
+    ]
     samples = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=3)
     responses = [s.tokens for group in samples for s in group]
     ours = response_logprobs(
-        models[1], [p for p in prompts for _ in range(2)], responses, max_seq_len=max_seq_len, pad_id=tok.pad_id
+        models[1],
+        [p for p in prompts for _ in range(2)],
+        responses,
+        max_seq_len=max_seq_len,
+        pad_id=tok.pad_id,
     )
     for sample, expected in zip([s for group in samples for s in group], ours):
         assert sample.tokens.size > 1

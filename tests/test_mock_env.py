@@ -38,7 +38,9 @@ def test_each_task_poses_problems_with_the_right_answer(task, solve):
 
 def test_examples_from_the_docs():
     env = MockEnv(MockEnvConfig(task="sort"))
-    problem = next(p for p in env.sample_problems(500, mode="train", seed=1) if len(p.answer.split()) == 3)
+    problem = next(
+        p for p in env.sample_problems(500, mode="train", seed=1) if len(p.answer.split()) == 3
+    )
     assert problem.answer == " ".join(sorted(problem.answer.split(), key=int))
     count = MockEnv(MockEnvConfig(task="count", min_items=3, max_items=3))
     p = count.sample_problems(1, mode="train", seed=0)[0]
@@ -47,8 +49,12 @@ def test_examples_from_the_docs():
 
 def test_train_and_eval_problems_are_disjoint_and_seeded():
     env = MockEnv(MockEnvConfig(task="sort", min_items=3, max_items=4))
-    train = {p.prompt for seed in range(5) for p in env.sample_problems(100, mode="train", seed=seed)}
-    held_out = {p.prompt for seed in range(5) for p in env.sample_problems(100, mode="eval", seed=seed)}
+    train = {
+        p.prompt for seed in range(5) for p in env.sample_problems(100, mode="train", seed=seed)
+    }
+    held_out = {
+        p.prompt for seed in range(5) for p in env.sample_problems(100, mode="eval", seed=seed)
+    }
     assert train and held_out and not train & held_out
     a = [p.prompt for p in env.sample_problems(10, mode="eval", seed=7)]
     assert a == [p.prompt for p in env.sample_problems(10, mode="eval", seed=7)]

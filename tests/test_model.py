@@ -22,7 +22,9 @@ from marin_rl_core.model import (
 )
 from marin_rl_core.tokenizer import ArithmeticTokenizer
 
-CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16)
+CONFIG = ModelConfig(
+    hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16
+)
 
 
 @pytest.fixture(scope="module")

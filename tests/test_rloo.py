@@ -16,7 +16,9 @@ from marin_rl_core.training_batch import training_batch_from_rollouts
 
 logprobs_of = eqx.filter_jit(lambda model, ids: next_token_logprobs(model, ids))
 
-CONFIG = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4, num_kv_heads=4, max_seq_len=12)
+CONFIG = ModelConfig(
+    hidden_dim=32, intermediate_dim=64, num_layers=1, num_heads=4, num_kv_heads=4, max_seq_len=12
+)
 
 
 # --- numpy reference ------------------------------------------------------------------------------
@@ -62,7 +64,9 @@ def reference_loss(logp, behaviour, adv, mask, eps, kl_coef=0.0, ref_logp=None):
 def test_leave_one_out_advantages_match_numpy(rewards, normalize_std):
     got = rloo_advantages(np.array(rewards), normalize_std=normalize_std)
     assert got.dtype == np.float32
-    np.testing.assert_allclose(got, reference_advantages(rewards, normalize_std), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        got, reference_advantages(rewards, normalize_std), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_group_of_one_and_equal_rewards_get_zero_advantage():
@@ -72,7 +76,12 @@ def test_group_of_one_and_equal_rewards_get_zero_advantage():
 
 def make_rollouts(tok, rewards):
     prompt = tok.encode("3+4=", add_bos=True)
-    responses = [tok.encode("7") + [tok.eos_id], tok.encode("8"), tok.encode("12") + [tok.eos_id], tok.encode("7cat")]
+    responses = [
+        tok.encode("7") + [tok.eos_id],
+        tok.encode("8"),
+        tok.encode("12") + [tok.eos_id],
+        tok.encode("7cat"),
+    ]
     rng = np.random.default_rng(0)
     return [
         Rollout.single_turn(
@@ -93,7 +102,9 @@ def test_compute_advantages_of_a_group():
     tok = ArithmeticTokenizer()
     group = RolloutGroup(rollouts=make_rollouts(tok, [1.0, 0.0, 0.0, 0.5]))
     loss = RLOOLoss(RLOOConfig())
-    np.testing.assert_allclose(loss.compute_advantages(group), reference_advantages([1, 0, 0, 0.5]), atol=1e-6)
+    np.testing.assert_allclose(
+        loss.compute_advantages(group), reference_advantages([1, 0, 0, 0.5]), atol=1e-6
+    )
 
 
 # --- loss ----------------------------------------------------------------------------------------
@@ -120,7 +131,11 @@ def test_loss_and_metrics_match_numpy(setup, clip_epsilon):
     logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
     mask = np.asarray(batch.loss_mask.array, dtype=np.float64)
     want, want_metrics = reference_loss(
-        logp, np.asarray(batch.behaviour_logprobs.array), np.asarray(batch.advantages.array), mask, clip_epsilon
+        logp,
+        np.asarray(batch.behaviour_logprobs.array),
+        np.asarray(batch.advantages.array),
+        mask,
+        clip_epsilon,
     )
     assert float(loss) == pytest.approx(want, rel=1e-4, abs=1e-6)
     assert float(metrics["ratio_mean"]) == pytest.approx(want_metrics["ratio_mean"], rel=1e-4)
@@ -142,8 +157,13 @@ def test_kl_penalty_to_the_reference_model(setup):
     logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
     ref_logp = np.asarray(logprobs_of(reference, batch.input_ids).array, dtype=np.float64)
     want, want_metrics = reference_loss(
-        logp, np.asarray(batch.behaviour_logprobs.array), np.asarray(batch.advantages.array), mask,
-        0.2, kl_coef=0.1, ref_logp=ref_logp,
+        logp,
+        np.asarray(batch.behaviour_logprobs.array),
+        np.asarray(batch.advantages.array),
+        mask,
+        0.2,
+        kl_coef=0.1,
+        ref_logp=ref_logp,
     )
     assert float(metrics["kl"]) == pytest.approx(want_metrics["kl"], rel=1e-4)
     assert float(loss) == pytest.approx(want, rel=1e-4)
@@ -157,7 +177,9 @@ def test_a_gradient_step_makes_the_best_response_more_likely(setup):
 
     tok, model, _, batch = setup
     # On-policy behaviour logprobs, as a fresh rollout would have.
-    batch = eqx.tree_at(lambda b: b.behaviour_logprobs, batch, logprobs_of(model, batch.input_ids) * batch.loss_mask)
+    batch = eqx.tree_at(
+        lambda b: b.behaviour_logprobs, batch, logprobs_of(model, batch.input_ids) * batch.loss_mask
+    )
     loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
     grads = eqx.filter_jit(eqx.filter_grad(lambda m: loss_fn(m, batch, key=None)[0]))(model)
     optimizer = optax.sgd(0.5)

@@ -69,7 +69,11 @@ def test_special_tokens_are_distinct_and_visible_unless_skipped(tok):
 def test_hf_version_encodes_and_decodes_identically(tok):
     hf = tok.to_hf()
     assert len(hf) == tok.vocab_size
-    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (
+        tok.pad_id,
+        tok.bos_id,
+        tok.eos_id,
+    )
     for text in TEXTS + ["Hi é", "zebra"]:
         ids = tok.encode(text)
         assert hf(text, add_special_tokens=False)["input_ids"] == ids, text
@@ -91,7 +95,9 @@ def test_load_tokenizer_arithmetic_and_local_directory(tok, tmp_path):
 
 
 def test_load_tokenizer_rejects_what_it_cannot_load(tmp_path):
-    with pytest.raises(ValueError, match="neither 'arithmetic', 'auto', a local directory nor a hub id"):
+    with pytest.raises(
+        ValueError, match="neither 'arithmetic', 'auto', a local directory nor a hub id"
+    ):
         load_tokenizer("gpt2")
     with pytest.raises(ValueError, match="could not load a Hugging Face tokenizer"):
         load_tokenizer(str(tmp_path))

@@ -214,12 +214,15 @@ def test_trimmed_rows_end_at_the_longest_rollout_and_give_the_same_loss():
     ]  # fmt: skip
     advantages = rng.normal(size=len(rollouts))
     full = training_batch_from_rollouts(rollouts, advantages, 32, PAD, temperature=1.5)
-    trimmed = training_batch_from_rollouts(rollouts, advantages, 32, PAD, temperature=1.5, trim=True)
+    trimmed = training_batch_from_rollouts(
+        rollouts, advantages, 32, PAD, temperature=1.5, trim=True
+    )
     assert full.Pos.size == 32 and trimmed.Pos.size == 16  # the longest has 11 tokens
     width = trimmed.Pos.size
     for name in ("input_ids", "loss_mask", "advantages", "behaviour_logprobs"):
         np.testing.assert_array_equal(
-            np.asarray(getattr(trimmed, name).array), np.asarray(getattr(full, name).array)[:, :width]
+            np.asarray(getattr(trimmed, name).array),
+            np.asarray(getattr(full, name).array)[:, :width],
         )
     got = np.asarray(batch_logprobs_and_entropy(model, trimmed)[0].array)
     want = np.asarray(batch_logprobs_and_entropy(model, full)[0].array)[:, :width]
