@@ -9,10 +9,13 @@ position holds 0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,9 +333,13 @@ def _block_forward(
     return (token_logprobs, entropy), lse
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _block_logprobs_and_entropy(
-    hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
+    vocab_parallel: tuple[Any, ...] | None,
+    hidden: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    temperature: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
     """Plain arrays: ``hidden [n, embed]``, ``lm_head [embed, vocab]``, ``targets [n]`` and
     ``temperature [n]`` -> ``(logprob of each target, entropy)``, both ``[n]`` float32.
@@ -342,16 +349,20 @@ def _block_logprobs_and_entropy(
     ``hidden`` and keeps nothing of size ``vocab`` between the two (as levanter's blockwise
     cross-entropy does). The entropy is a metric: no gradient flows through it, nor into
     ``temperature``.
+
+    ``vocab_parallel``: ``(Embed, Vocab, physical axes)`` when the block is computed vocabulary
+    parallel (``lm_head`` split over the vocabulary, ``hidden`` whole on every device): the LM
+    head's gradient is then kept split over the vocabulary too; else ``None``.
     """
     return _block_forward(hidden, lm_head, targets, temperature)[0]
 
 
-def _block_fwd(hidden, lm_head, targets, temperature):  # type: ignore[no-untyped-def]
+def _block_fwd(vocab_parallel, hidden, lm_head, targets, temperature):  # type: ignore[no-untyped-def]
     out, lse = _block_forward(hidden, lm_head, targets, temperature)
     return out, (hidden, lm_head, targets, temperature, lse)
 
 
-def _block_bwd(residuals, cotangents):  # type: ignore[no-untyped-def]
+def _block_bwd(vocab_parallel, residuals, cotangents):  # type: ignore[no-untyped-def]
     hidden, lm_head, targets, temperature, lse = residuals
     scale = cotangents[0] / temperature  # d logprob / d logit = onehot(target) - softmax, over T
     probs = jnp.exp(_block_logits(hidden, lm_head, temperature) - lse[:, None])
@@ -361,6 +372,12 @@ def _block_bwd(residuals, cotangents):  # type: ignore[no-untyped-def]
     d_logits = (onehot - probs) * scale[:, None]
     d_hidden = jnp.dot(d_logits, lm_head.T, preferred_element_type=jnp.float32)
     d_lm_head = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
+    if vocab_parallel is not None:
+        # Each device's share of the vocabulary, from every row: the gradient is born split
+        # over the vocabulary (no whole [embed, vocab] float32 array on any device), and so is
+        # the blocks' running sum of it.
+        embed, vocab, physical = vocab_parallel
+        d_lm_head = _constrain(d_lm_head, (embed, vocab), {vocab.name: physical})
     return (
         d_hidden.astype(hidden.dtype),
         d_lm_head.astype(lm_head.dtype),
@@ -381,6 +398,50 @@ def _shards_of(axes: Sequence[Axis]) -> int:
         except ValueError:  # no mesh
             return 1
     return shards
+
+
+_LM_HEAD_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "marinrl_lm_head_split", default=False
+)
+
+
+@contextlib.contextmanager
+def lm_head_split(split: bool) -> Iterator[None]:
+    """Within: the model's parameters (its LM head) are split over devices (FSDP), so
+    :func:`next_token_logprobs_and_entropy` computes the LM head vocabulary-parallel. The
+    trainer's :class:`~marin_rl_core.trainer.Learner` says so around everything it traces."""
+    token = _LM_HEAD_SPLIT.set(split)
+    try:
+        yield
+    finally:
+        _LM_HEAD_SPLIT.reset(token)
+
+
+def _vocab_parallel_axes(batch_axes: Sequence[Axis], vocab: Axis) -> tuple[str, ...] | None:
+    """The physical axes the rows are split over, when the LM head is split over devices too
+    (:func:`lm_head_split`; whole on every device, as in plain data parallelism, the rows are
+    best left where they are), the rows over more than one device, and the vocabulary divides
+    evenly among those devices; else ``None``."""
+    if not _LM_HEAD_SPLIT.get():
+        return None
+    physical: list[str] = []
+    for axis in batch_axes:
+        try:
+            name = hax.partitioning.physical_axis_name(axis)
+        except ValueError:  # no mesh
+            return None
+        if name is not None:
+            physical.extend([name] if isinstance(name, str) else name)
+    shards = _shards_of(batch_axes)
+    if not physical or shards <= 1 or vocab.size % shards:
+        return None
+    return tuple(physical)
+
+
+def _constrain(x: jax.Array, axes: tuple[Axis, ...], mapping: dict[str, Any]) -> jax.Array:
+    """``x`` laid out as ``mapping`` says for its named ``axes`` (axes it leaves out are whole on
+    every device)."""
+    return hax.shard(hax.named(x, axes), mapping).array
 
 
 def next_token_logprobs_and_entropy(
@@ -438,6 +499,15 @@ def next_token_logprobs_and_entropy(
     # axes stay sharded over the data-parallel devices, and each device computes the LM head for
     # its own rows (flattening batch x position would gather every row onto every device).
     batch_axes = tuple(a for a in input_ids.axes if a.name != pos.name)
+    # Vocabulary parallel when the rows are split over devices: each device computes every row's
+    # logits for its share of the vocabulary (the LM head is split that way; the hidden states
+    # of a block, [tokens, embed], are small to gather), rather than gathering the whole LM head
+    # and its gradient onto every device for its own rows. The softmax's sums cross devices.
+    physical = _vocab_parallel_axes(batch_axes, model.Vocab)
+    vocab_parallel = None
+    if physical is not None:
+        vocab_parallel = (model.Embed, model.Vocab, physical)
+        lm_head = _constrain(lm_head, (model.Embed, model.Vocab), {model.Vocab.name: physical})
     rows = math.prod(a.size for a in batch_axes)
     local_rows = max(1, -(-rows // _shards_of(batch_axes)))
     budget = block_tokens or max(1, LOGITS_BLOCK_BYTES // (4 * model.Vocab.size))
@@ -453,8 +523,11 @@ def next_token_logprobs_and_entropy(
     def per_block(xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
         h, t, temp = xs
         n = h.shape[0] * h.shape[1]
+        h = h.reshape(n, -1)
+        if vocab_parallel is not None:
+            h = _constrain(h, (Axis("block_tokens", n), model.Embed), {})
         lp, ent = _block_logprobs_and_entropy(
-            h.reshape(n, -1), lm_head, t.reshape(n), temp.reshape(n)
+            vocab_parallel, h, lm_head, t.reshape(n), temp.reshape(n)
         )
         return lp.reshape(t.shape), ent.reshape(t.shape)
 

@@ -25,7 +25,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,6 +248,14 @@ class _CaptureTracker:
         pass
 
 
+def _physical_size(mesh: Any, physical: str | Sequence[str] | None) -> int:
+    """How many devices of ``mesh`` the physical axis (or axes) ``physical`` spans."""
+    if physical is None:
+        return 1
+    names = [physical] if isinstance(physical, str) else list(physical)
+    return math.prod(int(mesh.shape[name]) for name in names)
+
+
 def mesh_sizes(
     mesh: MeshConfig, n_devices: int, batch_size: int, microbatch_size: int = 0
 ) -> dict[str, int]:
@@ -328,6 +336,12 @@ class Learner:
         )
         self.mesh = self.levanter_config.device_mesh
         self.parameter_axis_mapping = self.levanter_config.parameter_axis_mapping
+        # FSDP splits the parameters, the LM head among them, over devices: log-probabilities
+        # are then computed vocabulary-parallel (model.next_token_logprobs_and_entropy).
+        self._lm_head_split = any(
+            _physical_size(self.mesh, self.parameter_axis_mapping.get(name)) > 1
+            for name in ("embed", "vocab")
+        )
         self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None
@@ -369,10 +383,13 @@ class Learner:
         import haliax as hax
         import levanter
 
+        from marin_rl_core.model import lm_head_split
+
         with (
             levanter.current_tracker(self.tracker),  # type: ignore[arg-type]
             hax.partitioning.set_mesh(self.mesh),
             hax.axis_mapping(self.parameter_axis_mapping),
+            lm_head_split(self._lm_head_split),
             warnings.catch_warnings(),
         ):
             # Donation is best effort: XLA keeps a buffer it cannot alias, and says so each time.

@@ -1,10 +1,13 @@
 """Log-probabilities of a batch sharded over N simulated CPU devices (data parallel); used by
 tests/test_sharding.py in a process of its own (XLA fixes the device count when JAX starts).
 
-    python tests/sharded_logprobs.py DEVICES OUT.json
+    python tests/sharded_logprobs.py DEVICES OUT.json [fsdp]
 
 Writes the compiled forward-and-backward pass's collectives (what crosses devices) and its
 per-device temporary memory, and the largest difference from the same computation unsharded.
+With ``fsdp`` the parameters are split over the devices too (a 4,096-token vocabulary): the
+temporary memory with the LM head computed vocabulary-parallel and without, and the largest
+differences of the log-probabilities and of the gradient from the unsharded computation.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import sys
 
 def main() -> None:
     devices, out = int(sys.argv[1]), sys.argv[2]
+    if sys.argv[3:] == ["fsdp"]:
+        fsdp(devices, out)
+        return
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -66,6 +72,70 @@ def main() -> None:
             },
             f,
         )
+
+
+def fsdp(devices: int, out: str) -> None:
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from types import SimpleNamespace
+
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.model import build_model, lm_head_split, next_token_logprobs_and_entropy
+
+    vocab = 4096
+    model = build_model(
+        ModelConfig(max_seq_len=64), SimpleNamespace(vocab_size=vocab), key=jax.random.PRNGKey(0)
+    )
+    rng = np.random.default_rng(0)
+    rows = 16
+    ids = hax.named(
+        jnp.asarray(rng.integers(4, vocab, size=(rows, 64)), jnp.int32), ("batch", "position")
+    )
+    weights = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
+
+    def loss(m, ids):  # type: ignore[no-untyped-def]
+        logprobs, _ = next_token_logprobs_and_entropy(m, ids, block_tokens=64)
+        return jnp.sum(logprobs.array * weights), logprobs.array
+
+    step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
+    (_, plain), plain_grad = step(model, ids)
+
+    def lm_head_grad(grad):  # type: ignore[no-untyped-def]
+        return np.asarray(grad.get_lm_head().rearrange(("embed", "vocab")).array)
+
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    got = {}
+    # As levanter's trainer does: parameters split over their embed axis, the batch over its
+    # rows while computing.
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data"}):
+        sharded_model = hax.shard(model, {"embed": "data"})
+        sharded_ids = hax.shard(ids)
+        for split in (False, True):
+            # A function of its own each time (jit caches by function): the switch is read
+            # while tracing.
+            def fresh_loss(m, ids):  # type: ignore[no-untyped-def]
+                return loss(m, ids)
+
+            fresh = eqx.filter_jit(eqx.filter_value_and_grad(fresh_loss, has_aux=True))
+            with lm_head_split(split):
+                compiled = fresh.lower(sharded_model, sharded_ids).lowered.compile()
+                (_, sharded), grad = fresh(sharded_model, sharded_ids)
+            got[str(split)] = {
+                "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+                "max_difference": float(np.abs(np.asarray(sharded) - np.asarray(plain)).max()),
+                "max_grad_difference": float(
+                    np.abs(lm_head_grad(grad) - lm_head_grad(plain_grad)).max()
+                ),
+                "grad_scale": float(np.abs(lm_head_grad(plain_grad)).max()),
+            }
+    with open(out, "w") as f:
+        json.dump(got, f)
 
 
 if __name__ == "__main__":
