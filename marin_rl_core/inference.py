@@ -43,7 +43,7 @@ from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl_core.model import BATCH, POS, cast_floating
+from marin_rl_core.model import BATCH, POS, cast_floating, tempered_logits
 from marin_rl_core.training_batch import row_length
 
 logger = logging.getLogger(__name__)
@@ -391,8 +391,8 @@ def _dense_sample(
     row ends at a stop token. Returns ``(tokens, logprobs, lengths)``: the rows with their
     responses written in (nothing after a row's end), each response token's logprob at the
     token's position, and each response's length. The logits come from the same forward pass and the
-    same float32 projection as the trainer's :func:`~marin_rl_core.model.next_token_logprobs`,
-    so the logprobs agree with it.
+    same float32 projection (:func:`~marin_rl_core.model.tempered_logits`) as the trainer's
+    :func:`~marin_rl_core.model.next_token_logprobs`, so the logprobs agree with it.
     """
     rows, width = tokens.shape
     lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
@@ -404,7 +404,7 @@ def _dense_sample(
 
     keys = jax.vmap(row_key)(seeds, fold, sample)
     greedy = temperature <= 0
-    safe_t = jnp.where(greedy, 1.0, temperature)
+    safe_t = jnp.broadcast_to(jnp.where(greedy, 1.0, temperature), (rows,))
     row_index = jnp.arange(rows)
 
     def body(carry):  # type: ignore[no-untyped-def]
@@ -413,8 +413,7 @@ def _dense_sample(
         hidden = model.activations(ids, attn_mask=AttentionMask.causal())
         hidden = hidden.rearrange((BATCH, POS, model.Embed)).array
         at = jnp.clip(prompt_len + step - 1, 0, width - 1)
-        logits = jnp.dot(hidden[row_index, at], lm_head, preferred_element_type=jnp.float32)
-        logits = logits.astype(jnp.float32) / safe_t
+        logits = tempered_logits(hidden[row_index, at], lm_head, safe_t)
         step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
         drawn = jax.vmap(jax.random.categorical)(step_keys, logits)
         new = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(tokens.dtype)

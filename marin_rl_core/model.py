@@ -313,7 +313,11 @@ arrays alive (the logits and their exponentials), so its peak is about twice thi
 the RL step's peak memory below levanter's cross-entropy step (``bench/step_time.py``)."""
 
 
-def _block_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Array) -> jax.Array:
+def tempered_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Array) -> jax.Array:
+    """``hidden [n, embed] @ lm_head [embed, vocab]`` in float32, divided by each row's
+    ``temperature [n]`` (0 must already be replaced, e.g. by 1). The one projection of hidden
+    states to logits: the trainer's log-probabilities and both samplers' (the dense sampler,
+    :func:`~marin_rl_core.inference._dense_sample`) use it, so they agree."""
     logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32).astype(jnp.float32)
     return logits / temperature[:, None]
 
@@ -321,7 +325,7 @@ def _block_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Array)
 def _block_forward(
     hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
-    logits = _block_logits(hidden, lm_head, temperature)
+    logits = tempered_logits(hidden, lm_head, temperature)
     # One pass of exp over the vocabulary serves both the log-sum-exp and the entropy:
     # lse = m + log(s) and entropy = lse - sum(e * logits) / s, with e = exp(logits - m).
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
@@ -365,7 +369,7 @@ def _block_fwd(vocab_parallel, hidden, lm_head, targets, temperature):  # type: 
 def _block_bwd(vocab_parallel, residuals, cotangents):  # type: ignore[no-untyped-def]
     hidden, lm_head, targets, temperature, lse = residuals
     scale = cotangents[0] / temperature  # d logprob / d logit = onehot(target) - softmax, over T
-    probs = jnp.exp(_block_logits(hidden, lm_head, temperature) - lse[:, None])
+    probs = jnp.exp(tempered_logits(hidden, lm_head, temperature) - lse[:, None])
     # A one-hot compare rather than a scatter: elementwise, so a batch sharded over devices
     # stays sharded (a scatter's indices would be gathered onto every device).
     onehot = jnp.arange(probs.shape[-1])[None, :] == targets[:, None]

@@ -420,10 +420,10 @@ class Learner:
     def restore(self, checkpoint: str | Path, like: Any) -> Any:
         """``like`` (a ``TrainerState``) with a checkpoint's values, sharded over this mesh."""
         from marin_rl_core.checkpoint import load_trainer_state
-        from marin_rl_core.model import _Quiet
 
-        # levanter notes every empty slot of the state (no model averaging: None) as "unknown".
-        with self._context(), _Quiet("levanter.tensorstore_serialization", "Unknown leaf type"):
+        # levanter notes every empty slot of the state (no model averaging: None) as an
+        # "Unknown leaf type": checkpoint.py's filter drops those lines.
+        with self._context():
             return load_trainer_state(
                 checkpoint,
                 like,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -45,6 +47,26 @@ def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..
     return install
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is at the time of the write."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def _ray_logs_to_current_stderr() -> None:
+    """Ray's console log handler keeps the ``sys.stderr`` of the moment Ray first set up its
+    logging. In-process CLI tests swap ``sys.stderr`` for each invocation (and close it after),
+    so a later invocation's Ray line ("Started a local Ray instance") would hit a closed stream:
+    "--- Logging error ---" in that test's output. (A real ``marinrl`` is one process.)"""
+    for handler in logging.getLogger("ray").handlers:
+        if type(handler).__name__ == "PlainRayHandler":
+            handler.stream = _CurrentStderr()  # type: ignore[attr-defined]  (setStream flushes the old one)
+
+
 @pytest.fixture
 def cli() -> Callable[..., object]:
     """Invoke ``marinrl`` in-process: ``cli("plugins", "list")`` returns a click Result."""
@@ -53,7 +75,11 @@ def cli() -> Callable[..., object]:
     runner = CliRunner()
 
     def invoke(*args: str) -> object:
-        return runner.invoke(app, list(args), catch_exceptions=False)
+        _ray_logs_to_current_stderr()
+        try:
+            return runner.invoke(app, list(args), catch_exceptions=False)
+        finally:
+            _ray_logs_to_current_stderr()  # Ray may have set its logging up in this one
 
     return invoke
 
