@@ -25,7 +25,7 @@ import math
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,14 +248,6 @@ class _CaptureTracker:
         pass
 
 
-def _physical_size(mesh: Any, physical: str | Sequence[str] | None) -> int:
-    """How many devices of ``mesh`` the physical axis (or axes) ``physical`` spans."""
-    if physical is None:
-        return 1
-    names = [physical] if isinstance(physical, str) else list(physical)
-    return math.prod(int(mesh.shape[name]) for name in names)
-
-
 def mesh_sizes(
     mesh: MeshConfig, n_devices: int, batch_size: int, microbatch_size: int = 0
 ) -> dict[str, int]:
@@ -305,6 +297,7 @@ class Learner:
     def __init__(
         self, config: TrainerConfig, *, hf_checkpoint: bool = False, run_id: str = "marinrl"
     ):
+        import haliax as hax
         import jax
         import levanter.trainer
 
@@ -338,10 +331,11 @@ class Learner:
         self.parameter_axis_mapping = self.levanter_config.parameter_axis_mapping
         # FSDP splits the parameters, the LM head among them, over devices: log-probabilities
         # are then computed vocabulary-parallel (model.next_token_logprobs_and_entropy).
-        self._lm_head_split = any(
-            _physical_size(self.mesh, self.parameter_axis_mapping.get(name)) > 1
-            for name in ("embed", "vocab")
-        )
+        with hax.partitioning.set_mesh(self.mesh):
+            self._lm_head_split = any(
+                (hax.partitioning.physical_axis_size(name, self.parameter_axis_mapping) or 1) > 1
+                for name in ("embed", "vocab")
+            )
         self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None

@@ -17,15 +17,17 @@ import os
 import sys
 
 
-def main() -> None:
-    devices, out = int(sys.argv[1]), sys.argv[2]
-    if sys.argv[3:] == ["fsdp"]:
-        fsdp(devices, out)
-        return
+def _start_jax(devices: int) -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
-    import equinox as eqx
+
+def _problem(vocab: int, rows: int, block_tokens: int):  # type: ignore[no-untyped-def]
+    """The default model with a ``vocab``-token vocabulary, a ``[rows, 64]`` batch of ids, and
+    a weighted sum of its log-probabilities (computed ``block_tokens`` tokens per device per
+    block) to differentiate, returning the log-probabilities too."""
+    from types import SimpleNamespace
+
     import haliax as hax
     import jax
     import jax.numpy as jnp
@@ -33,23 +35,39 @@ def main() -> None:
 
     from marin_rl_core.config import ModelConfig
     from marin_rl_core.model import build_model, next_token_logprobs_and_entropy
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
 
-    tok = ArithmeticTokenizer()
-    model = build_model(ModelConfig(max_seq_len=64), tok, key=jax.random.PRNGKey(0))
+    model = build_model(
+        ModelConfig(max_seq_len=64), SimpleNamespace(vocab_size=vocab), key=jax.random.PRNGKey(0)
+    )
     rng = np.random.default_rng(0)
-    rows = 32
     ids = hax.named(
-        jnp.asarray(rng.integers(4, tok.vocab_size, size=(rows, 64)), jnp.int32),
-        ("batch", "position"),
+        jnp.asarray(rng.integers(4, vocab, size=(rows, 64)), jnp.int32), ("batch", "position")
     )
     weights = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
 
     def loss(m, ids):  # type: ignore[no-untyped-def]
-        # Blocks of 32 tokens per device: 32 // (32 / devices) positions of every row at a time.
-        logprobs, _ = next_token_logprobs_and_entropy(m, ids, block_tokens=32)
+        logprobs, _ = next_token_logprobs_and_entropy(m, ids, block_tokens=block_tokens)
         return jnp.sum(logprobs.array * weights), logprobs.array
 
+    return model, ids, loss
+
+
+def main() -> None:
+    devices, out = int(sys.argv[1]), sys.argv[2]
+    _start_jax(devices)
+    if sys.argv[3:] == ["fsdp"]:
+        fsdp(out)
+        return
+
+    import equinox as eqx
+    import haliax as hax
+    import jax
+    import numpy as np
+
+    from marin_rl_core.tokenizer import ArithmeticTokenizer
+
+    # Blocks of 32 tokens per device: 32 // (32 / devices) positions of every row at a time.
+    model, ids, loss = _problem(ArithmeticTokenizer().vocab_size, rows=32, block_tokens=32)
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
     (_, plain), _ = step(model, ids)
 
@@ -74,35 +92,15 @@ def main() -> None:
         )
 
 
-def fsdp(devices: int, out: str) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    from types import SimpleNamespace
-
+def fsdp(out: str) -> None:
     import equinox as eqx
     import haliax as hax
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
-    from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model, lm_head_split, next_token_logprobs_and_entropy
+    from marin_rl_core.model import lm_head_split
 
-    vocab = 4096
-    model = build_model(
-        ModelConfig(max_seq_len=64), SimpleNamespace(vocab_size=vocab), key=jax.random.PRNGKey(0)
-    )
-    rng = np.random.default_rng(0)
-    rows = 16
-    ids = hax.named(
-        jnp.asarray(rng.integers(4, vocab, size=(rows, 64)), jnp.int32), ("batch", "position")
-    )
-    weights = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
-
-    def loss(m, ids):  # type: ignore[no-untyped-def]
-        logprobs, _ = next_token_logprobs_and_entropy(m, ids, block_tokens=64)
-        return jnp.sum(logprobs.array * weights), logprobs.array
-
+    model, ids, loss = _problem(4096, rows=16, block_tokens=64)
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
     (_, plain), plain_grad = step(model, ids)
 
