@@ -27,6 +27,8 @@ def main() -> None:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
+    from types import SimpleNamespace
+
     import jax
     import numpy as np
 
@@ -83,8 +85,11 @@ def main() -> None:
     for i, (name, overrides) in enumerate(layouts):
         extra = [f"trainer.{o}" for o in overrides.split(",") if o]
         config = resolve_config(registry, overrides=base + extra)
-        tokenizer = model_tokenizer(config.model)
-        model = initial_model(config, tokenizer)
+        # 168 rows of LM head (the tokenizer's 167, padded): divisible by the devices, so the
+        # FSDP layouts compute log-probabilities vocabulary-parallel, as a real vocabulary does.
+        model = initial_model(
+            config, SimpleNamespace(vocab_size=model_tokenizer(config.model).vocab_size + 1)
+        )
         loss = registry.get("loss", "rloo").build(config.loss.config)
         learner = Learner(config.trainer)
         reference = learner.shard(
