@@ -319,7 +319,9 @@ class RolloutService(_SetUpError):
         import ray
 
         curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
-        hub.worker_started.remote(wc.index, os.getpid())  # restarts during set-up are counted
+        # Awaited (a call still in flight is lost with a process killed right after): a
+        # restart during set-up is then counted by the driver.
+        ray.get(hub.worker_started.remote(wc.index, os.getpid()), timeout=LOG_TIMEOUT_S)
 
         logger.info(
             "rollout worker %d process %d on node %s (%s)",
