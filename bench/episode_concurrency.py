@@ -72,9 +72,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry(modules=[wait_plugin])
     seq = 8 + args.turns * (args.action_tokens + 2)

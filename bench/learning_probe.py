@@ -76,11 +76,11 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
     from marin_rl_core import Rollout, RolloutGroup
     from marin_rl_core.config import ModelConfig, TrainerConfig
-    from marin_rl_core.inference import SamplingEngine
-    from marin_rl_core.model import build_model
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.trainer import make_optimizer
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.step import make_optimizer
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.rollout.inference import SamplingEngine
 
     t_start = time.perf_counter()
     tok = ArithmeticTokenizer()

@@ -68,9 +68,9 @@ def main() -> None:
     from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.training_batch import padded_fraction, training_batch_from_rollouts
+    from marin_rl_core.learner.training_batch import padded_fraction, training_batch_from_rollouts
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     rollouts = make_rollouts(args.rollouts, args.max_seq_len, seed=0)
     advantages = np.random.default_rng(1).normal(size=len(rollouts))

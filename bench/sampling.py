@@ -20,9 +20,9 @@ import time
 def measure(kind: str, args: argparse.Namespace) -> dict[str, float]:
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry()
     config = resolve_config(

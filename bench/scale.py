@@ -94,9 +94,9 @@ def figures(args: argparse.Namespace) -> None:
 
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.tokenizer import encode_prompt, model_tokenizer
-    from marin_rl_core.trainer import initial_model
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import encode_prompt, model_tokenizer
     from marin_rl_core.types import Problem, Rollout
 
     if jax.devices()[0].platform == "cpu":
@@ -106,7 +106,7 @@ def figures(args: argparse.Namespace) -> None:
     tokenizer = model_tokenizer(config.model)
     out: dict = {}
     if args.devices == 1:
-        from marin_rl_core.rollout_manager import RolloutManager
+        from marin_rl_core.rollout.manager import RolloutManager
 
         sampler_config = resolve_config(
             registry, overrides=[*job_overrides(args), 'model.inference_engine="paged"']

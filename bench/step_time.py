@@ -6,7 +6,7 @@ shape, plus one reference-model forward when the loss uses a KL penalty, and nee
 its peak memory. The cross-entropy step is levanter's own ``compute_next_token_loss`` (blockwise
 over the vocabulary, 32,768 tokens a block, when the vocabulary is larger than that, as one would
 train a Qwen-sized vocabulary). Everything is measured side by side in this one process with the
-same optimizer and the same learner (``marin_rl_core.trainer.Learner``: levanter's trainer
+same optimizer and the same learner (``marin_rl_core.learner.step.Learner``: levanter's trainer
 machinery with the run's mesh and precision policy); peak memory is XLA's own figure for each
 compiled step (temporaries, arguments and outputs).
 
@@ -57,10 +57,10 @@ def main() -> None:
 
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry()
     # The rollout figure compares marinrl's wrapper of levanter's engine with a bare engine loop.
@@ -100,7 +100,7 @@ def compare_rollouts(manager, config, lesson_id: str, *, calls: int = 6) -> dict
     from levanter.inference.engine import InferenceEngine, Request
     from levanter.inference.jit_scheduler import SeqDecodingParams
 
-    from marin_rl_core.tokenizer import response_stop_ids
+    from marin_rl_core.models.tokenizer import response_stop_ids
 
     sampling = config.sampling_for(manager.lessons[lesson_id])
     tokenizer = manager.tokenizer
@@ -211,8 +211,8 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     import jax.numpy as jnp
     from levanter.models.lm_model import LmExample, compute_next_token_loss
 
-    from marin_rl_core.model import next_token_logprobs
-    from marin_rl_core.trainer import Learner, plugin_loss_fn
+    from marin_rl_core.learner.step import Learner, plugin_loss_fn
+    from marin_rl_core.models.logprobs import next_token_logprobs
 
     vocab = model.Vocab.size
     ce_block = 32_768 if vocab > 32_768 else None

@@ -41,9 +41,10 @@ def main() -> None:
 
     from marin_rl_core import Rollout
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model, next_token_logprobs
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.logprobs import next_token_logprobs
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     tok = ArithmeticTokenizer()
     env = MathEnv(MathEnvConfig(task=args.task, eval_fraction=args.eval_fraction, split=args.split))

@@ -2,7 +2,7 @@
 
 This is the public surface plugins import from. It is flat (``from marin_rl_core import Env``)
 and cheap to import: nothing here pulls in JAX, levanter or Ray. Modules that need them
-(``marin_rl_core.training_batch``, ``marin_rl_core.model`` ...) are imported on demand.
+(``marin_rl_core.learner.training_batch``, ``marin_rl_core.models.build`` ...) are imported on demand.
 """
 
 from marin_rl_core.errors import (

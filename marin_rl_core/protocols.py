@@ -79,7 +79,7 @@ class MultiTurnEnv(Protocol):
     The problem's ``prompt`` / ``messages`` is the first observation. An env may also implement
     ``close(episode)`` to release an episode's resources; it is called once per episode,
     however the episode ended. A single-turn :class:`Env` is the one-step special case:
-    :func:`marin_rl_core.episodes.as_multi_turn` wraps one (the rollout side does so itself).
+    :func:`marin_rl_core.rollout.episode_state.as_multi_turn` wraps one (the rollout side does so itself).
     """
 
     def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
@@ -118,7 +118,7 @@ class RLLossModule(Protocol):
 
     def create_loss_fn(self, reference_model: Any, train_model: Any) -> Callable[..., Any]:
         """Return ``loss_fn(model, batch, *, key) -> (loss, metrics)``, a pure JAX function of
-        the trainable model and a :class:`~marin_rl_core.training_batch.TrainingBatch`.
+        the trainable model and a :class:`~marin_rl_core.learner.training_batch.TrainingBatch`.
         ``train_model`` is the policy being trained, for losses that need its structure.
 
         Called while the train step is traced, with ``reference_model`` a traced, sharded

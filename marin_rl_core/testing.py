@@ -64,7 +64,7 @@ def plugin_registry() -> Callable[..., Registry]:
 def check_config_class(record: PluginRecord) -> Any:
     """The config class instantiates with no arguments and survives unstructure/structure
     through the strict run-config converter (so ``marinrl config show`` output reads back)."""
-    from marin_rl_core.config import make_converter
+    from marin_rl_core.config.converter import make_converter
 
     try:
         config = record.config_class()
@@ -177,7 +177,8 @@ def check_default_lessons(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_
     """An env's ``default_lessons`` make a curriculum a run accepts: lessons with unique ids,
     dependencies on lessons that exist and no cycle, and ``env_config`` overrides that
     structure into the env's config class and build an env that poses problems."""
-    from marin_rl_core.config import _find_cycle, make_converter
+    from marin_rl_core.config.converter import make_converter
+    from marin_rl_core.config.validation import _find_cycle
 
     assert record.default_lessons is not None
     lessons = list(record.default_lessons(record.config_class()))
@@ -300,7 +301,7 @@ _TEMPLATE_OF = {"llama": "llama3", "qwen2": "chatml", "qwen3": "chatml"}
 def tiny_chat_tokenizer(template: str = "chatml") -> Any:
     """A small ``PreTrainedTokenizerFast`` with a chat template, built in code: the arithmetic
     tokenizer's vocabulary plus the template's special tokens and the role words."""
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     hf = ArithmeticTokenizer().to_hf()
     specials = (

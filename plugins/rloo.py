@@ -8,7 +8,7 @@ Advantages (per group of ``n`` samples of one problem, rewards ``r_1..r_n``)::
 optionally divided by ``std(r) + 1e-6`` (``normalize_std``; a group whose rewards are all equal
 stays at 0).
 
-Loss, over the response tokens of a :class:`~marin_rl_core.training_batch.TrainingBatch`::
+Loss, over the response tokens of a :class:`~marin_rl_core.learner.training_batch.TrainingBatch`::
 
     ratio_t = exp(logp_t - behaviour_logp_t)
     obj_t   = min(ratio_t * A_t, clip(ratio_t, 1 - eps, 1 + eps) * A_t)
@@ -105,7 +105,7 @@ class RLOOLoss:
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.training_batch import batch_logprobs_and_entropy
+        from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
 
         if self.needs_reference_model and reference_model is None:
             raise ValueError("rloo with kl_coef > 0 needs the reference model; got None")

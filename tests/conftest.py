@@ -70,7 +70,7 @@ def _ray_logs_to_current_stderr() -> None:
 @pytest.fixture
 def cli() -> Callable[..., object]:
     """Invoke ``marinrl`` in-process: ``cli("plugins", "list")`` returns a click Result."""
-    from marin_rl_core.cli import app
+    from marin_rl_core.cli.app import app
 
     runner = CliRunner()
 

@@ -34,7 +34,8 @@ def _problem(vocab: int, rows: int, block_tokens: int):  # type: ignore[no-untyp
     import numpy as np
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model, next_token_logprobs_and_entropy
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.logprobs import next_token_logprobs_and_entropy
 
     model = build_model(
         ModelConfig(max_seq_len=64), SimpleNamespace(vocab_size=vocab), key=jax.random.PRNGKey(0)
@@ -64,7 +65,7 @@ def main() -> None:
     import jax
     import numpy as np
 
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     # Blocks of 32 tokens per device: 32 // (32 / devices) positions of every row at a time.
     model, ids, loss = _problem(ArithmeticTokenizer().vocab_size, rows=32, block_tokens=32)
@@ -98,7 +99,7 @@ def fsdp(out: str) -> None:
     import jax
     import numpy as np
 
-    from marin_rl_core.model import lm_head_split
+    from marin_rl_core.models.logprobs import lm_head_split
 
     model, ids, loss = _problem(4096, rows=16, block_tokens=64)
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))

@@ -26,9 +26,11 @@ def main() -> None:
     import numpy as np
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.inference import SamplingEngine, inference_mesh
-    from marin_rl_core.model import build_model, response_logprobs
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.logprobs import response_logprobs
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.rollout.inference import SamplingEngine
+    from marin_rl_core.rollout.samplers import inference_mesh
 
     tok = ArithmeticTokenizer()
     config = ModelConfig(

@@ -33,11 +33,12 @@ def main() -> None:
     import numpy as np
 
     from marin_rl_core import build_registry
-    from marin_rl_core.checkpoint import save_checkpoint
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import Learner, initial_model
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.checkpoint import save_checkpoint
+    from marin_rl_core.learner.step import Learner
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
     from marin_rl_core.types import Rollout
 
     assert jax.device_count() == args.devices, jax.devices()
@@ -101,7 +102,7 @@ def main() -> None:
             [learner.sizes[k] for k in ("data_parallel", "fsdp", "tensor_parallel")]
         )
         if args.load and i == 0:
-            from marin_rl_core.checkpoint import resolve_checkpoint
+            from marin_rl_core.learner.checkpoint import resolve_checkpoint
 
             state = learner.restore(resolve_checkpoint(args.load), state)
             first = 2

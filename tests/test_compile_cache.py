@@ -9,17 +9,17 @@ import sys
 import textwrap
 from pathlib import Path
 
-from marin_rl_core.compile_cache import cache_dir
+from marin_rl_core.job.compile_cache import cache_dir
 
 SAMPLE = textwrap.dedent(
     """
     import sys
     import jax
-    from marin_rl_core import compile_cache
+    from marin_rl_core.job import compile_cache
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.inference import DenseSampler
-    from marin_rl_core.model import build_model
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.rollout.dense_sampler import DenseSampler
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     compile_cache.enable(sys.argv[1])
     tok = ArithmeticTokenizer()

@@ -242,9 +242,9 @@ def test_a_lesson_evaluated_with_fewer_tokens_than_it_trains_with_is_refused(cli
 
 
 def test_a_lesson_is_evaluated_with_its_own_eval_sampling():
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry()
     lessons = (

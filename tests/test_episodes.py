@@ -24,8 +24,8 @@ from marin_rl_core import (
     hookimpl,
 )
 from marin_rl_core.config import resolve_config
-from marin_rl_core.episodes import as_multi_turn
-from marin_rl_core.replay_buffer import episode_advantages
+from marin_rl_core.learner.replay_buffer import episode_advantages
+from marin_rl_core.rollout.episode_state import as_multi_turn
 
 # --- the game on its own -------------------------------------------------------------------------
 
@@ -83,9 +83,9 @@ def test_the_game_rewards_using_the_feedback_and_caps_feedback_blind_play_at_40_
 
 
 def _manager(env_name: str, *, modules=(), overrides=()):
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry(modules=list(modules))
     config = resolve_config(registry, selections={"env": env_name}, overrides=list(overrides))
@@ -95,9 +95,9 @@ def _manager(env_name: str, *, modules=(), overrides=()):
 
 
 def test_multi_turn_rollouts_are_token_exact_and_the_trainer_agrees_with_the_sampler():
-    from marin_rl_core.model import next_token_logprobs
-    from marin_rl_core.trainer import sample_turns
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.trainer import sample_turns
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.logprobs import next_token_logprobs
 
     manager, config = _manager("guess")
     tokenizer = manager.tokenizer
@@ -308,7 +308,7 @@ def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog
     """Four episodes whose plain ``step`` hangs: their timeouts run at once (not 4 x 1 s one
     after another), each stuck thread is counted, and once MAX_HUNG_THREADS are stuck the env
     is not called again: its episodes fail at once, saying why."""
-    import marin_rl_core.episodes as episodes
+    import marin_rl_core.rollout.episodes as episodes
 
     manager, env = _probe("sync_hang", "episodes.step_timeout_s=1.0")
     batch, metrics = _sample(manager)
@@ -337,7 +337,7 @@ def test_a_stopping_worker_cancels_a_batch_stuck_in_env_steps(behaviour):
     """A batch waiting on hung steps (timeout 600 s) is cancelled from another thread, as a
     stopping worker does: sample_batch raises BatchCancelled at once, and the runner serves
     the next batch."""
-    from marin_rl_core.episodes import BatchCancelled
+    from marin_rl_core.rollout.episode_state import BatchCancelled
 
     manager, env = _probe(behaviour, "episodes.step_timeout_s=600")
     outcome: list[BaseException | object] = []
@@ -572,9 +572,9 @@ TURN_END = "<|im_start|>user\n!<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_chat_observations_are_rendered_by_the_template_and_appended(tiny_qwen3):
-    from marin_rl_core.model import next_token_logprobs
-    from marin_rl_core.tokenizer import encode_prompt
-    from marin_rl_core.training_batch import training_batch_from_rollouts
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.logprobs import next_token_logprobs
+    from marin_rl_core.models.tokenizer import encode_prompt
 
     manager, config, batch = _chat_batch(tiny_qwen3[0])
     tokenizer = manager.tokenizer

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from marin_rl_core import EnvPlugin, ExitCode, LessonStats, Problem, build_registry, hookimpl
-from marin_rl_core.checkpoint import latest_checkpoint
 from marin_rl_core.config import resolve_config
-from marin_rl_core.export import trained_model
+from marin_rl_core.learner.checkpoint import latest_checkpoint
+from marin_rl_core.learner.export import trained_model
 
 
 @attrs.frozen
@@ -53,9 +53,9 @@ class flaky_plugin:  # a plugin object, registered in code
 
 
 def test_an_env_that_raises_on_one_problem_loses_that_problem_only(caplog):
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     registry = build_registry(modules=[flaky_plugin])
     config = resolve_config(registry, selections={"env": "flaky"}, overrides=["eval.n_examples=6"])
@@ -98,7 +98,7 @@ class FlakyWriter:
 def flaky_worker(*overrides: str, writer=None, log=None):
     """A rollout worker of the flaky env with the default curriculum, outside any job (no
     weight client: weights of step 0 once it syncs)."""
-    from marin_rl_core.rollout_worker import RolloutWorker
+    from marin_rl_core.rollout.worker import RolloutWorker
 
     registry = build_registry(modules=[flaky_plugin])
     config = resolve_config(registry, selections={"env": "flaky"}, overrides=list(overrides))
@@ -135,7 +135,7 @@ def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer
     trains (a first step compiling takes long; what it made meanwhile would be stale), goes on
     once the trainer says it has waited with no rollouts arriving (it lost some it counted on),
     and without an answer from the trainer goes on after the plain bound (2 s)."""
-    from marin_rl_core import rollout_worker
+    from marin_rl_core.rollout import worker as rollout_worker
 
     monkeypatch.setattr(rollout_worker, "STARVED_S", 0.2)
     monkeypatch.setattr(rollout_worker, "PACED_LIMIT_S", 3.0)
@@ -423,7 +423,7 @@ def _problems_by_batch(run_dir: Path, after: int = 0) -> dict[int, set[str]]:
 
 def _drawn(batch: int) -> set[str]:
     """The problems worker 0's batch ``batch`` draws in the tiny mock job (seed 0, 4 prompts)."""
-    from marin_rl_core.rollout_worker import batch_seed
+    from marin_rl_core.rollout.worker import batch_seed
 
     registry = build_registry()
     config = resolve_config(registry, selections={"env": "mock"})
@@ -770,7 +770,7 @@ import json, os, sys
 import psutil, ray
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_core.job import RLJob
+from marin_rl_core.job.driver import RLJob
 
 registry = build_registry()
 job = RLJob(resolve_config(registry, selections={"env": "mock"}), registry)

@@ -23,10 +23,10 @@ from levanter.layers.attention import AttentionMask
 from marin_rl_core import Problem, build_registry
 from marin_rl_core.config import ModelConfig
 from marin_rl_core.errors import ExitCode
-from marin_rl_core.export import trained_model
-from marin_rl_core.model import build_model, cast_floating
+from marin_rl_core.learner.export import trained_model
+from marin_rl_core.models.build import build_model, cast_floating
+from marin_rl_core.models.tokenizer import HFTokenizer, encode_prompt, model_tokenizer
 from marin_rl_core.testing import write_tiny_hf_checkpoint
-from marin_rl_core.tokenizer import HFTokenizer, encode_prompt, model_tokenizer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -125,8 +125,8 @@ def test_a_checkpoint_brings_its_tokenizer_chat_template_and_stop_tokens(checkpo
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_sampler_decodes_each_family_with_the_trainers_logprobs(checkpoints, family):
-    from marin_rl_core.inference import SamplingEngine
-    from marin_rl_core.model import response_logprobs
+    from marin_rl_core.models.logprobs import response_logprobs
+    from marin_rl_core.rollout.inference import SamplingEngine
 
     config = ModelConfig(checkpoint=str(checkpoints[family]))
     tokenizer = model_tokenizer(config)
@@ -374,7 +374,7 @@ def test_a_checkpoint_loads_in_the_samplers_dtype_and_trains_with_gradient_check
     """Rollout workers read a checkpoint straight into their bfloat16 (no float32 copy first);
     the trainer recomputes layer activations in the backward pass (on by default for a
     checkpoint, ``model.gradient_checkpointing``) with the same gradients as without."""
-    from marin_rl_core.model import next_token_logprobs
+    from marin_rl_core.models.logprobs import next_token_logprobs
 
     path = str(checkpoints["qwen3"])
     tokenizer = model_tokenizer(ModelConfig(checkpoint=path))

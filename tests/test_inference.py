@@ -15,10 +15,11 @@ from levanter.layers.attention import AttentionMask
 
 from marin_rl_core import Rollout
 from marin_rl_core.config import ModelConfig
-from marin_rl_core.inference import make_sampler
-from marin_rl_core.model import build_model, next_token_logprobs, response_logprobs
-from marin_rl_core.tokenizer import ArithmeticTokenizer
-from marin_rl_core.training_batch import training_batch_from_rollouts
+from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+from marin_rl_core.models.build import build_model
+from marin_rl_core.models.logprobs import next_token_logprobs, response_logprobs
+from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+from marin_rl_core.rollout.samplers import make_sampler
 
 MAX_SEQ_LEN = 16
 CONFIG = ModelConfig(

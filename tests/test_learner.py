@@ -9,9 +9,10 @@ import numpy as np
 
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_core.tokenizer import model_tokenizer
-from marin_rl_core.trainer import Learner, initial_model
-from marin_rl_core.training_batch import training_batch_from_rollouts
+from marin_rl_core.learner.step import Learner
+from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+from marin_rl_core.models.build import initial_model
+from marin_rl_core.models.tokenizer import model_tokenizer
 from marin_rl_core.types import Rollout
 
 
@@ -84,7 +85,7 @@ def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(
     """With a KL penalty (the default), the frozen reference model is an argument of the compiled
     step. Closed over by the loss, all of its weights were compiled into the step as constants:
     gigabytes for a real model, in every compiled shape and in the compile cache's key."""
-    from marin_rl_core.trainer import Trainer
+    from marin_rl_core.learner.trainer import Trainer
 
     registry, config = rloo_job(kl_coef=0.01)
     trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
@@ -105,7 +106,8 @@ def test_a_resumed_trainer_reads_its_checkpoint_with_no_other_state_alive(tmp_pa
     0.6B model a fresh state alone is ~10 GB: the resume of a run that fit ran out of memory)."""
     import gc
 
-    from marin_rl_core.trainer import Learner, Trainer
+    from marin_rl_core.learner.step import Learner
+    from marin_rl_core.learner.trainer import Trainer
 
     registry, config = rloo_job(kl_coef=0.0)
     first = Trainer(config, registry, run_dir=tmp_path, reader=None)

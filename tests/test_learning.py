@@ -6,7 +6,7 @@ import pytest
 
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_core.job import RLJob
+from marin_rl_core.job.driver import RLJob
 from marin_rl_core.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -374,7 +374,7 @@ def test_score_metrics_are_floats_and_cannot_shadow_reward():
 def test_rollouts_and_eval_report_format_and_correct_rates(tmp_path, offline_datasets):
     """End to end on the tiny default model: training batches carry ``score/format`` and
     ``score/correct``, and eval logs ``eval/<lesson>/format`` and ``/correct`` beside the reward."""
-    from marin_rl_core.rollout_worker import RolloutWorker
+    from marin_rl_core.rollout.worker import RolloutWorker
 
     sums = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(5) for b in range(5)]
     data = write_dataset(tmp_path / "sums", train=sums[:20], test=sums[20:])

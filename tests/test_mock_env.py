@@ -6,7 +6,7 @@ import pytest
 from marin_rl_plugins.mock_env import MockEnv, MockEnvConfig
 
 from marin_rl_core import Env, build_registry
-from marin_rl_core.tokenizer import ArithmeticTokenizer
+from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
 
 def numbers(prompt: str) -> list[int]:

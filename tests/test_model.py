@@ -12,15 +12,13 @@ from levanter.layers.attention import AttentionMask
 
 from marin_rl_core.config import ModelConfig
 from marin_rl_core.errors import ConfigError
-from marin_rl_core.model import (
-    build_model,
-    load_hf_checkpoint,
+from marin_rl_core.models.build import build_model, load_hf_checkpoint, save_hf_checkpoint
+from marin_rl_core.models.logprobs import (
     next_token_logprobs,
     next_token_logprobs_and_entropy,
     response_logprobs,
-    save_hf_checkpoint,
 )
-from marin_rl_core.tokenizer import ArithmeticTokenizer
+from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
 CONFIG = ModelConfig(
     hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=16

@@ -193,7 +193,7 @@ def test_an_unforeseen_error_is_one_line_and_its_traceback_goes_to_a_file(tmp_pa
     import sys
 
     inject = (
-        "import sys, marin_rl_core.config as config, marin_rl_core.cli as cli\n"
+        "import sys, marin_rl_core.config.loading as config, marin_rl_core.cli as cli\n"
         "def buggy(*args, **kwargs):\n"
         "    return {}['no such key']\n"
         "config.resolve_config = buggy\n"

@@ -10,7 +10,7 @@ import pytest
 
 from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 from marin_rl_core.config import ReplayBufferConfig
-from marin_rl_core.replay_buffer import ReplayBuffer
+from marin_rl_core.learner.replay_buffer import ReplayBuffer
 
 NOW = 1_000_000.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from marin_rl_core.report import _running_mean
+from marin_rl_core.cli.report import _running_mean
 
 
 def test_running_mean_averages_the_last_window_values():
@@ -21,7 +21,7 @@ def test_the_summary_says_where_the_time_went_and_which_side_holds_the_job_back(
 
     from rich.console import Console
 
-    from marin_rl_core.report import render_summary, summarize
+    from marin_rl_core.cli.report import render_summary, summarize
 
     rows = [
         {"source": "train", "step": s, "time": float(s), "reward": 0.5, "wait_seconds": 0.3,
@@ -57,7 +57,7 @@ def test_the_summary_shows_episodes_of_multi_turn_lessons_and_env_failures(tmp_p
 
     from rich.console import Console
 
-    from marin_rl_core.report import render_summary, summarize
+    from marin_rl_core.cli.report import render_summary, summarize
 
     def rollout_row(lesson, reward, turns, step_s, timeouts=0, errors=0):
         return {

@@ -8,7 +8,7 @@ import pytest
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
 from marin_rl_core.errors import ExitCode, ResourcesUnavailableError
-from marin_rl_core.job import check_resources
+from marin_rl_core.job.checks import check_resources
 
 # What `ray.nodes()` reports for a 2-core machine without accelerators, and a GPU node.
 CPU_NODE = {"CPU": 2.0, "memory": 8 * 2**30, "object_store_memory": 2**30, "node:127.0.0.1": 1.0}

@@ -10,9 +10,10 @@ from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss, rloo_advantages
 
 from marin_rl_core import RLLossModule, Rollout, RolloutGroup, build_registry
 from marin_rl_core.config import ModelConfig
-from marin_rl_core.model import build_model, next_token_logprobs
-from marin_rl_core.tokenizer import ArithmeticTokenizer
-from marin_rl_core.training_batch import training_batch_from_rollouts
+from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+from marin_rl_core.models.build import build_model
+from marin_rl_core.models.logprobs import next_token_logprobs
+from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
 logprobs_of = eqx.filter_jit(lambda model, ids: next_token_logprobs(model, ids))
 

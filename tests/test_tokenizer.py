@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from marin_rl_core.tokenizer import ArithmeticTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from marin_rl_core.models.tokenizer import (
+    ArithmeticTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 
 TEXTS = [
     "3+4=",

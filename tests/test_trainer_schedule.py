@@ -7,7 +7,7 @@ import pytest
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
 from marin_rl_core.errors import ConfigError
-from marin_rl_core.trainer import make_schedule
+from marin_rl_core.learner.step import make_schedule
 
 
 def config(*overrides: str):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from marin_rl_core import Rollout
-from marin_rl_core.training_batch import TrainingBatch, pack_sequences, training_batch_from_rollouts
+from marin_rl_core.learner.training_batch import TrainingBatch, training_batch_from_rollouts
+from marin_rl_core.models.packing import pack_sequences
 
 PAD = 0
 
@@ -108,7 +109,8 @@ def multi_turn(tokens, mask, reward=1.0) -> Rollout:
 
 
 def test_packing_puts_short_rollouts_in_one_row_and_keeps_them_apart():
-    from marin_rl_core.training_batch import pack_rows, padded_fraction
+    from marin_rl_core.learner.training_batch import padded_fraction
+    from marin_rl_core.models.packing import pack_rows
 
     assert pack_rows([6, 3, 5, 2], 8) == [[0, 3], [1, 2]]
     short = [rollout([1, 5], [7], [-0.1]), rollout([1, 6, 6], [8, 2], [-0.2, -0.3])]
@@ -148,9 +150,10 @@ def test_packed_rows_give_the_same_logprobs_and_loss_as_one_rollout_per_row():
     from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.training_batch import batch_logprobs_and_entropy, pack_rows
+    from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.packing import pack_rows
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     tok = ArithmeticTokenizer()
     model = build_model(ModelConfig(max_seq_len=16, num_layers=2), tok, key=jax.random.PRNGKey(0))
@@ -198,9 +201,10 @@ def test_trimmed_rows_end_at_the_longest_rollout_and_give_the_same_loss():
     from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.model import build_model
-    from marin_rl_core.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.training_batch import batch_logprobs_and_entropy, row_length
+    from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.packing import row_length
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
     assert [row_length(n, 64) for n in (1, 7, 8, 9, 17, 40, 64)] == [8, 8, 8, 16, 32, 64, 64]
     assert row_length(30, 20) == 20

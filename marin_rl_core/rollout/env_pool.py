@@ -42,7 +42,7 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
     """The child's loop: build the env, then answer one request at a time."""
     import inspect
 
-    from marin_rl_core.episodes import SingleTurnEpisodes, as_multi_turn
+    from marin_rl_core.rollout.episode_state import SingleTurnEpisodes, as_multi_turn
 
     env = as_multi_turn(build(config))
     episodes: dict[int, Any] = {}

@@ -23,8 +23,8 @@ import attrs
 from marin_rl_core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from marin_rl_core.config import ModelConfig
-    from marin_rl_core.tokenizer import Tokenizer
+    from marin_rl_core.config.schema import ModelConfig
+    from marin_rl_core.models.tokenizer import Tokenizer
 
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "llama": "LlamaForCausalLM",

@@ -224,7 +224,7 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
     import haliax as hax
     import levanter.checkpoint
 
-    from marin_rl_core.model import _one_axis_mesh
+    from marin_rl_core.models.build import _one_axis_mesh
 
     mesh = _one_axis_mesh()
     with hax.partitioning.set_mesh(mesh):

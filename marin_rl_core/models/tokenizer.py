@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.config.schema import ModelConfig
     from marin_rl_core.types import Problem
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -364,9 +364,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
 
     Raises:
         ValueError: for a path that does not exist or holds no tokenizer.
-        marin_rl_core.pretrained.CheckpointNotFoundError: a hub id that cannot be fetched.
+        marin_rl_core.models.pretrained.CheckpointNotFoundError: a hub id that cannot be fetched.
     """
-    from marin_rl_core.pretrained import checkpoint_dir, is_hub_id
+    from marin_rl_core.models.pretrained import checkpoint_dir, is_hub_id
 
     if spec == "arithmetic":
         return ArithmeticTokenizer()
@@ -402,7 +402,7 @@ def model_tokenizer(config: ModelConfig) -> Tokenizer:
         return load_tokenizer(config.tokenizer)
     if not config.checkpoint:
         return ArithmeticTokenizer()
-    from marin_rl_core.pretrained import checkpoint_dir
+    from marin_rl_core.models.pretrained import checkpoint_dir
 
     return load_tokenizer(str(checkpoint_dir(config.checkpoint)))
 

@@ -1,7 +1,7 @@
 """The rollout side's coordinating half: weight sync, metadata, storage, logging, the loop.
 
 :class:`RolloutWorker` delegates all inference, env and curriculum work to a
-:class:`~marin_rl_core.rollout_manager.RolloutManager` and does the I/O around it: it pulls newer
+:class:`~marin_rl_core.rollout.manager.RolloutManager` and does the I/O around it: it pulls newer
 weights before every batch, tags each batch with its ``weight_step`` and ``worker_id`` (through
 the manager's stateless arguments), writes batches to rollout storage (blocking while storage is
 full), and logs metrics. Worker 0 also runs the periodic held-out evaluation every
@@ -18,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from marin_rl_core.config import RLJobConfig
+from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
-from marin_rl_core.rollout_manager import RolloutManager
+from marin_rl_core.rollout.manager import RolloutManager
 from marin_rl_core.types import RolloutBatch
 
 logger = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class RolloutWorker:
         curriculum: CurriculumPolicy,
         log: Callable[..., Any] | None = None,
     ):
-        from marin_rl_core.tokenizer import model_tokenizer
-        from marin_rl_core.trainer import initial_model
+        from marin_rl_core.models.build import initial_model
+        from marin_rl_core.models.tokenizer import model_tokenizer
 
         self.config = config
         self.worker_index = worker_index
@@ -169,7 +169,7 @@ class RolloutWorker:
         trainer is ready, on throw-away problems: nothing is written, logged or told to the
         curriculum. Returns the seconds it took; a failure here only logs a warning (the real
         batch will meet it again), and env calls are cut off early
-        (:data:`~marin_rl_core.rollout_manager.WARM_UP_STEP_TIMEOUT_S`), so a hung env does not
+        (:data:`~marin_rl_core.rollout.manager.WARM_UP_STEP_TIMEOUT_S`), so a hung env does not
         hold up the worker's set-up. The held-out eval is not warmed up: worker 0 runs it after
         writing the batch of its step, while the trainer compiles and takes its first step.
 
@@ -350,7 +350,7 @@ class RolloutWorker:
 
     def run(self, *, max_batches: int | None = None) -> dict[str, int]:
         """Generate and ship rollout batches until stopped; returns counters."""
-        from marin_rl_core.episodes import BatchCancelled
+        from marin_rl_core.rollout.episode_state import BatchCancelled
 
         try:
             return self._run(max_batches)

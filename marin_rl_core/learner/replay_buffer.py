@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core.config import ReplayBufferConfig
+from marin_rl_core.config.schema import ReplayBufferConfig
 from marin_rl_core.protocols import RLLossModule
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup
 

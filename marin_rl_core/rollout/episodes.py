@@ -3,7 +3,9 @@
 Every env is run as a :class:`~marin_rl_core.protocols.MultiTurnEnv`: ``reset(problem)`` starts an
 episode and ``step(action)`` answers each action with a :class:`~marin_rl_core.types.Step`. A
 single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score``) is wrapped by
-:func:`as_multi_turn`: its episode is one step that scores the action and ends.
+:func:`~marin_rl_core.rollout.episode_state.as_multi_turn`: its episode is one step that scores
+the action and ends. An episode's state and its token bookkeeping are in
+:mod:`~marin_rl_core.rollout.episode_state`; the env threads in :mod:`~marin_rl_core.rollout.env_threads`.
 
 :class:`EpisodeRunner` runs all the episodes of a rollout batch at once:
 
@@ -35,10 +37,8 @@ single-turn :class:`~marin_rl_core.protocols.Env` (``sample_problems`` + ``score
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,231 +47,28 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core.config import EpisodesConfig
-from marin_rl_core.protocols import Env, Episode, MultiTurnEnv
-from marin_rl_core.tokenizer import response_stop_ids
-from marin_rl_core.types import Action, Problem, Rollout, SamplingParams, Step, as_score
+from marin_rl_core.config.schema import EpisodesConfig
+from marin_rl_core.models.tokenizer import response_stop_ids
+from marin_rl_core.protocols import MultiTurnEnv
+from marin_rl_core.rollout.env_threads import (
+    MAX_HUNG_THREADS,
+    DaemonThreadExecutor,
+    DaemonThreadPool,
+)
+from marin_rl_core.rollout.episode_state import (
+    BatchCancelled,
+    EpisodeFailure,
+    EpisodeResult,
+    Live,
+    SingleTurnEpisodes,
+    close_part,
+    episode_reward,
+    observe,
+    take_action,
+)
+from marin_rl_core.types import Action, Problem, SamplingParams, Step, as_score
 
 logger = logging.getLogger(__name__)
-
-
-# --- the single-turn adapter ----------------------------------------------------------------------
-
-
-class _ScoredEpisode:
-    """One step: score the action with the wrapped env's ``score``, and end."""
-
-    def __init__(self, env: Env, problem: Problem):
-        self._env, self._problem = env, problem
-
-    def step(self, action: Action) -> Step:
-        score = as_score(self._env.score(self._problem, action.text))
-        return Step(reward=score.reward, done=True, metrics=score.metrics)
-
-
-@attrs.frozen
-class SingleTurnEpisodes:
-    """A single-turn :class:`~marin_rl_core.protocols.Env` as a
-    :class:`~marin_rl_core.protocols.MultiTurnEnv`; see :func:`as_multi_turn`."""
-
-    env: Env
-    single_turn = True  # the runner samples such a batch in one generate call
-
-    def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
-        return self.env.sample_problems(n, mode=mode, seed=seed)
-
-    def reset(self, problem: Problem) -> Episode:
-        return _ScoredEpisode(self.env, problem)
-
-
-def as_multi_turn(env: Env | MultiTurnEnv) -> MultiTurnEnv:
-    """``env`` as a multi-turn env: itself if it has ``reset``, else a one-step episode per
-    problem whose step calls ``env.score``. The rollout side applies it to every env; it is
-    public for tests and for code that drives envs itself."""
-    if callable(getattr(env, "reset", None)):
-        return env  # type: ignore[return-value]
-    if not callable(getattr(env, "score", None)):
-        raise TypeError(
-            f"{type(env).__name__} has neither score() (a single-turn env) nor reset() (a "
-            "multi-turn env); implement one of them"
-        )
-    return SingleTurnEpisodes(env)  # type: ignore[arg-type]
-
-
-# --- limits and results ---------------------------------------------------------------------------
-
-
-class EpisodeFailure(Exception):
-    """An episode that cannot be trained on: ``kind`` is ``"error"`` or ``"timeout"``."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
-
-
-class BatchCancelled(Exception):
-    """The batch was cancelled (:meth:`EpisodeRunner.cancel`): its worker is stopping."""
-
-
-@attrs.define
-class EpisodeResult:
-    """What one episode produced.
-
-    Args:
-        rollouts: its training samples (one unless a chat template forced a split), without
-            metadata; empty when the episode failed.
-        failure: ``None``, or why the episode failed.
-        metrics: the last step's metrics.
-        turns: actions taken.
-        env_seconds: time spent in env calls (``reset`` and ``step``).
-        env_step_seconds: time spent in ``step`` calls.
-        env_calls: ``step`` calls.
-    """
-
-    rollouts: list[Rollout] = attrs.field(factory=list)
-    failure: EpisodeFailure | None = None
-    metrics: dict[str, float] = attrs.field(factory=dict)
-    turns: int = 0
-    env_seconds: float = 0.0
-    env_step_seconds: float = 0.0
-    env_calls: int = 0
-
-
-@attrs.define(eq=False)
-class _Live:
-    """The state of one running episode."""
-
-    index: int  # problem_index * n + k
-    problem: Problem
-    episode: Any = None
-    tokens: list[int] = attrs.field(factory=list)
-    mask: list[bool] = attrs.field(factory=list)
-    logprobs: list[float] = attrs.field(factory=list)
-    turn_starts: list[int] = attrs.field(factory=list)
-    turn_rewards: list[float] = attrs.field(factory=list)
-    messages: list[dict[str, str]] = attrs.field(factory=list)
-    turn: int = 0
-    truncated: bool = False
-    deadline: float = float("inf")
-    result: EpisodeResult = attrs.field(factory=EpisodeResult)
-
-
-# --- a thread that may hang ----------------------------------------------------------------------
-
-
-class _DaemonThreadExecutor(concurrent.futures.Executor):
-    """One daemon thread running submitted calls in order. A call that hangs keeps this thread
-    (the runner then starts a new executor), and, being a daemon, never blocks process exit as a
-    ``ThreadPoolExecutor``'s thread would."""
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
-        self._thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(fn(*args, **kwargs))
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
-                future.set_exception(exc)
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._queue.put((future, fn, args, kwargs))
-        return future
-
-    def hand_over(self, other: _DaemonThreadExecutor) -> None:
-        """Move the calls not yet started to ``other`` (this thread is stuck), and let this
-        thread end should its call ever return."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                other._queue.put(item)
-        self._queue.put(None)
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._queue.put(None)
-
-
-MAX_HUNG_THREADS = 64
-"""Threads stuck in env calls that never returned (each cut off by its timeout) a runner
-tolerates; past it the env's calls fail at once, saying so: more would only pile up threads."""
-
-
-class _DaemonThreadPool:
-    """Up to ``size`` daemon threads running submitted calls, any call on any idle thread. A
-    call that hangs keeps its thread: :meth:`abandon` takes that thread out of the count, so
-    another starts for the calls queued behind it."""
-
-    def __init__(self, name: str, size: int):
-        self.name, self.size = name, size
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._threads = self._idle = 0
-        self._abandoned: set[threading.Thread] = set()
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any) -> concurrent.futures.Future[Any]:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._queue.put((future, fn, args))
-        with self._lock:
-            if self._idle <= 0 and self._threads < self.size:
-                self._threads += 1
-                threading.Thread(target=self._work, name=self.name, daemon=True).start()
-            else:
-                self._idle -= 1  # that idle thread takes this call
-        return future
-
-    @property
-    def stuck(self) -> int:
-        """Threads still stuck in calls that were cut off."""
-        with self._lock:
-            return len(self._abandoned)
-
-    def abandon(self, thread: threading.Thread) -> None:
-        """``thread`` is stuck in a call: it ends if the call ever returns, and no longer
-        counts against ``size``."""
-        with self._lock:
-            if thread not in self._abandoned:
-                self._abandoned.add(thread)
-                self._threads -= 1
-                if self._idle < 0:  # a queued call waits for a thread: start one
-                    self._idle += 1
-                    self._threads += 1
-                    threading.Thread(target=self._work, name=self.name, daemon=True).start()
-
-    def _work(self) -> None:
-        me = threading.current_thread()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, fn, args = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting coroutine
-                    future.set_exception(exc)
-            with self._lock:
-                if me in self._abandoned:
-                    self._abandoned.discard(me)
-                    return
-                self._idle += 1
-
-    def shutdown(self) -> None:
-        with self._lock:
-            threads = self._threads
-        for _ in range(threads):
-            self._queue.put(None)
 
 
 # --- the runner ----------------------------------------------------------------------------------
@@ -284,7 +81,7 @@ def episode_seed(seed: int, episode: int, turn: int) -> int:
 
 
 class EpisodeRunner:
-    """Runs episodes against a :class:`~marin_rl_core.inference.SamplingEngine`; see the module
+    """Runs episodes against a :class:`~marin_rl_core.rollout.inference.SamplingEngine`; see the module
     docstring.
 
     Args:
@@ -307,11 +104,11 @@ class EpisodeRunner:
         self.chat = bool(use_chat_template and tokenizer.chat_template is not None)
         self.max_seq_len = max_seq_len
         self._loop = asyncio.new_event_loop()
-        self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
-        self._env_pool: _DaemonThreadPool | None = None  # sized by the first batch's limits
-        self._old_pools: list[_DaemonThreadPool] = []  # their stuck threads still count
+        self._env_thread = DaemonThreadExecutor("marinrl-env-steps")
+        self._env_pool: DaemonThreadPool | None = None  # sized by the first batch's limits
+        self._old_pools: list[DaemonThreadPool] = []  # their stuck threads still count
         self._batch_episodes = 1
-        self._generate_thread = _DaemonThreadExecutor("marinrl-generate")
+        self._generate_thread = DaemonThreadExecutor("marinrl-generate")
         self._stuck_scores = 0
         self._said_stuck = False
         self._task: asyncio.Task[Any] | None = None  # the batch run() is running
@@ -361,7 +158,7 @@ class EpisodeRunner:
 
     async def _env_call(
         self,
-        live: _Live,
+        live: Live,
         fn: Callable[..., Any],
         *args: Any,
         limits: EpisodesConfig,
@@ -399,7 +196,7 @@ class EpisodeRunner:
                 if self._env_pool is not None:
                     self._env_pool.shutdown()
                     self._old_pools.append(self._env_pool)
-                self._env_pool = _DaemonThreadPool("marinrl-env-steps", size)
+                self._env_pool = DaemonThreadPool("marinrl-env-steps", size)
             elif not limits.env_threads and size > self._env_pool.size:
                 self._env_pool.size = size
         pool = self._env_pool
@@ -485,7 +282,7 @@ class EpisodeRunner:
     ) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
         """Run ``n`` episodes of each problem (``prompts[i]`` its prompt tokens), sampling with
         ``sampling``. Every action ends at one of
-        :func:`~marin_rl_core.tokenizer.response_stop_ids` (EOS, the template's end of turn, the
+        :func:`~marin_rl_core.models.tokenizer.response_stop_ids` (EOS, the template's end of turn, the
         checkpoint's and the lesson's stops) or at ``sampling.max_tokens``.
 
         Returns ``results[i][k]`` for the ``k``-th episode of problem ``i`` and timing metrics:
@@ -497,7 +294,7 @@ class EpisodeRunner:
         now = time.monotonic()
         deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
         lives = [
-            _Live(
+            Live(
                 index=i * n + k,
                 problem=problem,
                 tokens=[int(t) for t in prompts[i]],
@@ -511,11 +308,11 @@ class EpisodeRunner:
             for k in range(n)
         ]
         timing = {"generate_seconds": 0.0, "generate_calls": 0.0}
-        ready: list[_Live] = []
+        ready: list[Live] = []
         wake = asyncio.Event()
         running: set[asyncio.Task[Any]] = set()
 
-        async def generate(batch: list[_Live], **kwargs: Any) -> list[list[Any]]:
+        async def generate(batch: list[Live], **kwargs: Any) -> list[list[Any]]:
             start = time.perf_counter()
             out = await asyncio.wrap_future(
                 self._generate_thread.submit(
@@ -530,7 +327,7 @@ class EpisodeRunner:
             timing["generate_calls"] += 1
             return out
 
-        def finish(live: _Live, failure: EpisodeFailure | None = None) -> None:
+        def finish(live: Live, failure: EpisodeFailure | None = None) -> None:
             live.result.turns = live.turn
             if failure is not None:
                 live.result.failure = failure
@@ -539,7 +336,7 @@ class EpisodeRunner:
                 # The last part is built with the episode's reward; earlier parts (an episode
                 # a chat template split) get it now that it is known.
                 reward = episode_reward(live.result) + float(sum(live.turn_rewards))
-                self._close_part(live, env_name=env_name, lesson_id=lesson_id, reward=reward)
+                close_part(live, env_name=env_name, lesson_id=lesson_id, reward=reward)
                 live.result.rollouts = [
                     r
                     if (r.reward, r.truncated) == (reward, live.truncated)
@@ -555,10 +352,10 @@ class EpisodeRunner:
                         "env %s: close(episode) raised %s: %s", env_name, type(exc).__name__, exc
                     )
 
-        async def act(live: _Live, sample: Any) -> None:
+        async def act(live: Live, sample: Any) -> None:
             """Apply a sampled action, step the env, and queue the episode for its next one."""
             try:
-                action = self._take_action(live, sample, stop_set)
+                action = take_action(live, sample, stop_set, self.tokenizer)
                 if live.episode is None and single_turn:
                     live.episode = env.reset(live.problem)  # builds a one-step wrapper: instant
                 elif live.episode is None:
@@ -579,7 +376,14 @@ class EpisodeRunner:
                     live.truncated = True
                     finish(live)
                     return
-                self._observe(live, step, action, env_name=env_name, lesson_id=lesson_id)
+                observe(
+                    live,
+                    step,
+                    tokenizer=self.tokenizer,
+                    chat=self.chat,
+                    env_name=env_name,
+                    lesson_id=lesson_id,
+                )
                 if len(live.tokens) >= self.max_seq_len:
                     live.truncated = True  # no room left for another action
                     finish(live)
@@ -657,7 +461,7 @@ class EpisodeRunner:
     async def _score_single_turn(
         self,
         env: SingleTurnEpisodes,
-        lives: list[_Live],
+        lives: list[Live],
         samples: list[list[Any]],
         n: int,
         stop_set: set[int],
@@ -672,7 +476,7 @@ class EpisodeRunner:
         for live in lives:
             sample = samples[live.index // n][live.index % n]
             try:
-                actions.append(self._take_action(live, sample, stop_set))
+                actions.append(take_action(live, sample, stop_set, self.tokenizer))
             except EpisodeFailure as failure:
                 finish(live, failure)
                 actions.append(None)
@@ -735,7 +539,7 @@ class EpisodeRunner:
                 abandoned.add(first)
                 self._stuck_scores += 1
                 stuck = self._env_thread
-                self._env_thread = _DaemonThreadExecutor("marinrl-env-steps")
+                self._env_thread = DaemonThreadExecutor("marinrl-env-steps")
                 stuck.hand_over(self._env_thread)
                 spent[index] = time.monotonic() - since
                 outcomes[index] = EpisodeFailure(
@@ -764,86 +568,5 @@ class EpisodeRunner:
             live.result.metrics = dict(score.metrics)
             finish(live)
 
-    def _take_action(self, live: _Live, sample: Any, stop_set: set[int]) -> Action:
-        tokens = [int(t) for t in sample.tokens]
-        if not tokens:
-            raise EpisodeFailure("error", "the sampler returned an empty action")
-        live.turn_starts.append(len(live.tokens))
-        live.tokens.extend(tokens)
-        live.mask.extend([True] * len(tokens))
-        live.logprobs.extend(float(x) for x in sample.logprobs)
-        live.turn += 1
-        truncated = not sample.stopped
-        live.truncated = truncated
-        text = self.tokenizer.decode([t for t in tokens if t not in stop_set])
-        live.messages.append({"role": "assistant", "content": text})
-        return Action(text=text, token_ids=tuple(tokens), truncated=truncated, turn=live.turn - 1)
 
-    def _observe(
-        self, live: _Live, step: Step, action: Action, *, env_name: str, lesson_id: str
-    ) -> None:
-        """Append the observation's tokens (or start a new part where the template would
-        rewrite the past)."""
-        observation = step.observation
-        if not self.chat:
-            if not isinstance(observation, str):  # no template: the messages' text, in order
-                observation = "".join(m["content"] for m in observation)
-            new = self.tokenizer.encode(observation) if observation else []
-        else:
-            messages = (
-                [{"role": "user", "content": observation}]
-                if isinstance(observation, str)
-                else [dict(m) for m in observation]
-            )
-            live.messages.extend(messages)
-            rendered = self.tokenizer.encode_chat(live.messages)
-            if rendered[: len(live.tokens)] != live.tokens:
-                # The template changes what came before: go on in a new training sample.
-                self._close_part(live, env_name=env_name, lesson_id=lesson_id)
-                live.tokens = list(rendered)
-                live.mask = [False] * len(rendered)
-                live.logprobs = [0.0] * len(rendered)
-                live.turn_starts, live.turn_rewards = [], []
-                return
-            new = rendered[len(live.tokens) :]
-        live.tokens.extend(int(t) for t in new)
-        live.mask.extend([False] * len(new))
-        live.logprobs.extend([0.0] * len(new))
-
-    def _close_part(
-        self, live: _Live, *, env_name: str, lesson_id: str, reward: float = 0.0
-    ) -> None:
-        """Turn what the episode has gathered since its last part into a :class:`Rollout`
-        (``reward``: the episode's, when this is its last part; earlier parts get it later)."""
-        if not live.turn_starts:
-            return
-        rollout = Rollout(
-            env_name=env_name,
-            lesson_id=lesson_id,
-            problem_id=live.problem.id,
-            tokens=live.tokens,
-            loss_mask=live.mask,
-            logprobs=live.logprobs,
-            reward=reward,
-            turn_starts=live.turn_starts,
-            turn_rewards=live.turn_rewards[: len(live.turn_starts)],
-            part=len(live.result.rollouts),
-            truncated=live.truncated,
-        )
-        live.result.rollouts.append(rollout)
-
-
-def episode_reward(result: EpisodeResult) -> float:
-    """The sum of the turn rewards over all parts of an episode."""
-    return float(sum(float(np.sum(r.turn_rewards)) for r in result.rollouts))
-
-
-__all__ = [
-    "EpisodeFailure",
-    "EpisodeResult",
-    "EpisodeRunner",
-    "SingleTurnEpisodes",
-    "as_multi_turn",
-    "episode_reward",
-    "episode_seed",
-]
+__all__ = ["EpisodeRunner", "episode_seed"]

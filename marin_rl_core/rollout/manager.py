@@ -21,10 +21,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core.config import RLJobConfig, lesson_env_config
-from marin_rl_core.episodes import EpisodeRunner, as_multi_turn
+from marin_rl_core.config.converter import lesson_env_config
+from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.protocols import CurriculumPolicy, MultiTurnEnv
 from marin_rl_core.registry import Registry
+from marin_rl_core.rollout.episode_state import as_multi_turn
+from marin_rl_core.rollout.episodes import EpisodeRunner
 from marin_rl_core.types import (
     LessonConfig,
     LessonStats,
@@ -78,8 +80,8 @@ class RolloutManager:
         tokenizer: Any,
         curriculum: CurriculumPolicy | None = None,
     ):
-        from marin_rl_core.inference import choose_engine, make_sampler
-        from marin_rl_core.tokenizer import response_stop_ids
+        from marin_rl_core.models.tokenizer import response_stop_ids
+        from marin_rl_core.rollout.samplers import choose_engine, make_sampler
 
         self.config = config
         self.registry = registry
@@ -110,7 +112,7 @@ class RolloutManager:
         }
         mesh, axis_mapping = None, None
         if config.model.inference_tensor_parallel > 1:
-            from marin_rl_core.inference import inference_mesh
+            from marin_rl_core.rollout.samplers import inference_mesh
 
             mesh, axis_mapping = inference_mesh(
                 config.model.inference_tensor_parallel, config.trainer.mesh.tensor_parallel_axes
@@ -164,7 +166,7 @@ class RolloutManager:
 
     def cancel(self) -> None:
         """Cancel the batch being sampled, if any (thread-safe): it raises
-        :class:`~marin_rl_core.episodes.BatchCancelled` at once rather than waiting for its
+        :class:`~marin_rl_core.rollout.episode_state.BatchCancelled` at once rather than waiting for its
         episodes (a hung env call's timeout among them)."""
         self._runner.cancel()
 
@@ -172,14 +174,14 @@ class RolloutManager:
 
     def env(self, lesson_id: str) -> MultiTurnEnv:
         """The lesson's env, built on first use and cached; a single-turn env comes wrapped
-        as a one-step multi-turn env (:func:`~marin_rl_core.episodes.as_multi_turn`)."""
+        as a one-step multi-turn env (:func:`~marin_rl_core.rollout.episode_state.as_multi_turn`)."""
         if lesson_id not in self._envs:
             lesson = self.lessons[lesson_id]
             name, env_config = lesson_env_config(self.config, lesson, self.registry)
             build = self.registry.get("env", name).build
             processes = self.config.episodes.env_processes
             if processes:
-                from marin_rl_core.env_pool import EnvProcessPool
+                from marin_rl_core.rollout.env_pool import EnvProcessPool
 
                 self._envs[lesson_id] = EnvProcessPool(
                     build, env_config, processes, name=f"{name} ({lesson_id})"
@@ -226,7 +228,7 @@ class RolloutManager:
         warm_up: bool = False,
     ) -> tuple[RolloutBatch | None, dict[str, float]]:
         """Pose ``n_examples`` problems and run ``n_generations`` episodes of each (one turn for
-        a single-turn env: sample a response, score it); see :mod:`marin_rl_core.episodes`.
+        a single-turn env: sample a response, score it); see :mod:`marin_rl_core.rollout.episodes`.
         ``worker_index`` and ``batch_index`` go into every rollout's metadata.
 
         Returns the batch (``None`` when no problem survived) with :class:`RolloutMetadata`
@@ -264,7 +266,7 @@ class RolloutManager:
         except Exception as exc:
             self._env_error(lesson_id, "posing problems", exc, quiet=warm_up)
             return None, {"env_errors": float(n_examples)}
-        from marin_rl_core.tokenizer import encode_prompt
+        from marin_rl_core.models.tokenizer import encode_prompt
 
         prompts: list[list[int]] = []
         kept: list[Problem] = []
@@ -442,80 +444,3 @@ class RolloutManager:
         """Report a training batch's rewards to the curriculum."""
         if self.curriculum is not None and batch is not None:
             self.curriculum.update_training(batch_stats(lesson_id, batch, step))
-
-
-# --- a checkpoint's default sequence length -------------------------------------------------------
-
-SEQ_LEN_PROBLEMS = 32
-"""Problems per lesson and mode that :func:`derive_max_seq_len` renders to find the longest
-prompt."""
-
-
-def derive_max_seq_len(config: RLJobConfig, registry: Registry) -> tuple[int, str]:
-    """The ``model.max_seq_len`` a run on a Hugging Face checkpoint gets when it sets none:
-    ``(value, a sentence saying where it comes from)``.
-
-    Each lesson's env poses :data:`SEQ_LEN_PROBLEMS` training and as many eval problems; their
-    prompts go through the tokenizer (and chat template) the run uses. A lesson needs its
-    longest prompt plus a quarter (at least 8 tokens) for prompts not sampled, plus its
-    ``max_tokens`` (train or eval, whichever is larger) once per turn for a multi-turn env
-    (``episodes.max_turns`` turns). The run gets the largest need, rounded up to a multiple of
-    16 and at most the checkpoint's context length.
-
-    Raises:
-        ConfigError: the tokenizer does not load, or an env fails to build or pose problems
-            (the message says to set ``model.max_seq_len`` explicitly).
-    """
-    from marin_rl_core.errors import ConfigError
-    from marin_rl_core.pretrained import context_length, read_pretrained_info
-    from marin_rl_core.tokenizer import encode_prompt, model_tokenizer
-
-    read_pretrained_info(config.model.checkpoint)  # exists, and an architecture marinrl trains
-    try:
-        tokenizer = model_tokenizer(config.model)
-    except ValueError as exc:
-        raise ConfigError(f"$.model.tokenizer: {exc}") from None
-    chat = config.model.use_chat_template
-    need, longest, where = 0, 0, ""
-    for lesson in config.curriculum.lessons:
-        name, env_config = lesson_env_config(config, lesson, registry)
-        env = None
-        try:
-            env = registry.get("env", name).build(env_config)
-            turns = config.episodes.max_turns if callable(getattr(env, "reset", None)) else 1
-            prompts = [
-                len(encode_prompt(tokenizer, problem, use_chat_template=chat))
-                for mode in ("train", "eval")
-                for problem in env.sample_problems(SEQ_LEN_PROBLEMS, mode=mode, seed=0)
-            ]
-        except Exception as exc:  # noqa: BLE001 - any env failure gets the same advice
-            raise ConfigError(
-                "model.max_seq_len is derived from the lessons' prompts when a checkpoint is "
-                f"used, but lesson {lesson.id!r} (env {name}) failed while posing problems "
-                f"({type(exc).__name__}: {exc}). Set model.max_seq_len (prompt tokens + "
-                "max_tokens) with --set model.max_seq_len=N, or fix the env"
-            ) from None
-        finally:
-            stop = getattr(env, "shutdown", None)  # close(episode) is per episode
-            if callable(stop):
-                stop()
-        if not prompts:
-            continue
-        tokens = max(
-            config.sampling_for(lesson).max_tokens, config.eval_sampling_for(lesson).max_tokens
-        )
-        top = max(prompts)
-        lesson_need = top + max(8, top // 4) + tokens * turns
-        if lesson_need > need:
-            need, longest, where = lesson_need, top, lesson.id
-    value = -(-max(need, 16) // 16) * 16
-    limit = context_length(config.model)
-    capped = limit is not None and value > limit
-    if capped:
-        value = limit  # type: ignore[assignment]
-    return value, (
-        f"model.max_seq_len = {value}: derived from the lessons' prompts (the longest sampled "
-        f"prompt has {longest} tokens, lesson {where}) and max_tokens"
-        + (f", capped at the checkpoint's context length ({limit})" if capped else "")
-        + "; set model.max_seq_len to choose another"
-    )

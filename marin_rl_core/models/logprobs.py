@@ -1,309 +1,35 @@
-"""The policy model: a levanter Llama built from :class:`~marin_rl_core.config.ModelConfig`, Hugging
-Face checkpoint load/save, and the per-token logprobs the trainer optimises.
+"""Per-token log-probabilities of a levanter model: the one computation the trainer's loss and
+the samplers' reported logprobs share.
 
-Alignment convention (shared with :mod:`marin_rl_core.training_batch`): for token ids
+Alignment convention (shared with :mod:`marin_rl_core.learner.training_batch`): for token ids
 ``x[0..T-1]`` the value at position ``t`` belongs to the prediction made *at* ``t`` of the *next*
 token ``x[t+1]``, so ``next_token_logprobs(...)[t] = log p(x[t+1] | x[0..t])`` and the last
 position holds 0.
+
+Logits are computed block by block of positions (at most :data:`LOGITS_BLOCK_BYTES` of float32
+logits at once) and recomputed in the backward pass; under FSDP the LM head is applied
+vocabulary-parallel (:func:`lm_head_split`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
-import logging
 import math
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import equinox as eqx
 import haliax as hax
-import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from haliax import Axis, NamedArray
 from levanter.layers.attention import AttentionMask
-from levanter.models.llama import LlamaConfig, LlamaEmbedding, LlamaLMHeadModel, LlamaTransformer
 from levanter.models.lm_model import LmHeadModel
-from levanter.models.qwen import QwenConfig
 
-from marin_rl_core.config import ModelConfig
-from marin_rl_core.tokenizer import Tokenizer, load_tokenizer, model_tokenizer
-
-VOCAB = "vocab"
-POS = "position"
-BATCH = "batch"
-
-
-def llama_config(config: ModelConfig) -> LlamaConfig:
-    """The levanter ``LlamaConfig`` of a fresh model of ``config``'s shape."""
-    if config.hidden_dim % config.num_heads:
-        raise ValueError(
-            f"model.hidden_dim ({config.hidden_dim}) must be a multiple of model.num_heads "
-            f"({config.num_heads})"
-        )
-    return LlamaConfig(
-        seq_len=config.max_seq_len,
-        hidden_dim=config.hidden_dim,
-        intermediate_dim=config.intermediate_dim,
-        num_layers=config.num_layers,
-        num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads,
-        gradient_checkpointing=config.resolved_gradient_checkpointing,
-        scan_layers=True,
-    )
-
-
-def build_model(
-    config: ModelConfig,
-    tokenizer: Tokenizer | None = None,
-    *,
-    key: jax.Array,
-    dtype: Any = jnp.float32,
-) -> LmHeadModel:
-    """The initial policy: loaded from ``config.checkpoint`` when set, else initialised from ``key``.
-
-    Args:
-        config: the model section of the run config.
-        tokenizer: sizes a fresh model's vocabulary and is checked against a checkpoint's;
-            defaults to :func:`~marin_rl_core.tokenizer.model_tokenizer` of ``config``.
-        key: PRNG key for a fresh model (unused when loading a checkpoint).
-        dtype: the parameters' dtype. A checkpoint is read straight into it (a rollout worker
-            sampling in bfloat16 never holds a float32 copy); a fresh model is initialised in
-            float32 and cast, so that every dtype starts from the same weights.
-    """
-    tokenizer = tokenizer if tokenizer is not None else model_tokenizer(config)
-    if config.checkpoint:
-        from marin_rl_core.pretrained import check_vocab
-
-        check_vocab(config, tokenizer)
-        return load_hf_checkpoint(
-            config.checkpoint,
-            tokenizer=tokenizer,
-            resize_vocab=config.resize_vocab,
-            dtype=dtype,
-            gradient_checkpointing=config.resolved_gradient_checkpointing,
-        )
-    vocab = Axis(VOCAB, tokenizer.vocab_size)
-    # One compiled init instead of hundreds of small eager ops (seconds on a busy CPU).
-    model = eqx.filter_jit(LlamaLMHeadModel.init)(vocab, llama_config(config), key=key)
-    return model if jnp.dtype(dtype) == jnp.float32 else cast_floating(model, dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class Qwen2DecodingConfig(QwenConfig):
-    """levanter's Qwen2 config, built on its Llama model classes.
-
-    levanter's own ``QwenLMHeadModel`` has no ``decode``/``initial_cache``, so its
-    ``InferenceEngine`` cannot sample from it. Qwen2 is Llama with biased q/k/v projections,
-    which ``QwenConfig.attention_config`` already asks for, so :class:`Qwen2LMHeadModel` reuses
-    ``LlamaLMHeadModel`` (decoding included) with this config. The parameter names and the
-    Hugging Face state-dict layout are the same as Qwen2's.
-    """
-
-    @property
-    def model_type(self) -> type[Qwen2LMHeadModel]:  # type: ignore[override]
-        return Qwen2LMHeadModel
-
-    @classmethod
-    def from_hf_config(cls, hf_config: Any) -> Qwen2DecodingConfig:
-        base = QwenConfig.from_hf_config(hf_config)
-        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
-
-
-class Qwen2LMHeadModel(LlamaLMHeadModel):
-    """A Qwen2 model (see :class:`Qwen2DecodingConfig`)."""
-
-    @classmethod
-    def init(cls, Vocab: Axis, config: Qwen2DecodingConfig, *, key: jax.Array) -> Qwen2LMHeadModel:  # type: ignore[override]
-        k_t, k_emb = jax.random.split(key, 2)
-        transformer = LlamaTransformer.init(config, key=k_t)
-        embeddings = LlamaEmbedding.init(Vocab, config, key=k_emb)
-        lm_head = (
-            None
-            if config.tie_word_embeddings
-            else hnn.Linear.init(
-                In=config.Embed, Out=Vocab, key=k_emb, use_bias=False, out_first=True
-            )
-        )
-        return Qwen2LMHeadModel(transformer, embeddings, lm_head)
-
-
-def _lev_config_class_for(model_type: str) -> type:
-    """The levanter config class whose Hugging Face counterpart has ``model_type``."""
-    import importlib
-
-    # Listed explicitly: asking each levanter config for its converter would reach for its
-    # reference checkpoint on the Hub.
-    levanter_configs = {
-        "llama": ("levanter.models.llama", "LlamaConfig"),
-        "qwen2": ("marin_rl_core.model", "Qwen2DecodingConfig"),
-        "qwen3": ("levanter.models.qwen", "Qwen3Config"),
-    }
-    if model_type not in levanter_configs:
-        raise ValueError(
-            f"checkpoint model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted(levanter_configs))}"
-        )
-    module, name = levanter_configs[model_type]
-    return getattr(importlib.import_module(module), name)
-
-
-def cast_floating(tree: Any, dtype: Any) -> Any:
-    """``tree`` with its floating-point arrays in ``dtype`` (others, and arrays already in it,
-    unchanged)."""
-    dtype = jnp.dtype(dtype)
-
-    def cast(x: Any) -> Any:
-        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
-            return x if x.dtype == dtype else jnp.asarray(x, dtype=dtype)
-        return x
-
-    return jax.tree.map(cast, tree)
-
-
-def _one_axis_mesh() -> Any:
-    return jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
-
-
-def _checkpoint_mesh() -> Any:
-    """A one-axis ("data") mesh over the local devices: levanter's checkpoint code places and
-    gathers arrays with sharding constraints that need a mesh in context."""
-    return hax.partitioning.set_mesh(_one_axis_mesh())
-
-
-class _Quiet(logging.Filter):
-    """A context manager that drops one logger's records containing ``text``."""
-
-    def __init__(self, logger_name: str, text: str):
-        super().__init__()
-        self._logger, self._text = logging.getLogger(logger_name), text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self._text not in record.getMessage()
-
-    def __enter__(self) -> None:
-        self._logger.addFilter(self)
-
-    def __exit__(self, *exc: object) -> None:
-        self._logger.removeFilter(self)
-
-
-def _rope_settings(path: str | Path) -> dict[str, Any]:
-    """``rope_theta`` (and ``rope_scaling``) of a ``config.json`` written by ``transformers`` 5,
-    which keeps them in ``rope_parameters``: ``transformers`` 4 would ignore that key and give
-    the model its default theta (10,000 where Qwen3 uses 1,000,000), silently wrong."""
-    import json
-
-    raw = json.loads((Path(path) / "config.json").read_text())
-    rope = raw.get("rope_parameters")
-    if not isinstance(rope, dict) or "rope_theta" in raw or "rope_theta" not in rope:
-        return {}
-    rope = dict(rope)
-    settings: dict[str, Any] = {"rope_theta": float(rope.pop("rope_theta"))}
-    if rope.get("rope_type", "default") != "default":
-        settings["rope_scaling"] = rope
-    return settings
-
-
-def load_hf_checkpoint(
-    spec: str | Path,
-    *,
-    tokenizer: Tokenizer | None = None,
-    resize_vocab: bool = False,
-    dtype: Any = jnp.float32,
-    gradient_checkpointing: bool = False,
-) -> LmHeadModel:
-    """Load a Hugging Face checkpoint (a local directory or a hub id) with levanter's
-    ``HFCheckpointConverter``.
-
-    Args:
-        spec: the checkpoint directory or hub id (see :mod:`marin_rl_core.pretrained`).
-        tokenizer: the run's tokenizer; defaults to the checkpoint's own.
-        resize_vocab: resize the model's vocabulary to ``tokenizer``'s size; otherwise the model
-            keeps the checkpoint's vocabulary (see :func:`check_vocab`).
-        dtype: parameter dtype (the weights are read into it).
-        gradient_checkpointing: recompute layer activations in the backward pass.
-
-    Raises:
-        marin_rl_core.errors.ConfigError: a missing checkpoint or an unsupported architecture.
-    """
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import AutoConfig
-
-    from marin_rl_core.pretrained import read_pretrained_info
-
-    info = read_pretrained_info(str(spec))
-    path = str(info.path)
-    if tokenizer is None:
-        tokenizer = load_tokenizer(path)
-    lev_config_cls = _lev_config_class_for(info.model_type)
-    hf_config_cls = type(AutoConfig.for_model(info.model_type))
-    converter = HFCheckpointConverter(
-        lev_config_cls,
-        reference_checkpoint=path,
-        HfConfigClass=hf_config_cls,
-        tokenizer=tokenizer.to_hf(),
-    )
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **_rope_settings(path))
-    if info.model_type == "qwen2" and not hasattr(hf_config, "no_bias"):
-        # levanter's QwenConfig reads a `no_bias` flag (for its MLP) that transformers'
-        # Qwen2Config lacks; Qwen2's MLP has no bias.
-        hf_config.no_bias = True
-    lev_config = lev_config_cls.from_hf_config(hf_config)
-    if hasattr(lev_config, "gradient_checkpointing"):
-        lev_config = dataclasses.replace(lev_config, gradient_checkpointing=gradient_checkpointing)
-    # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
-    # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
-    quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")
-    with _checkpoint_mesh(), quiet:
-        return converter.load_pretrained(
-            lev_config.model_type,
-            ref=path,
-            config=lev_config,
-            dtype=dtype,
-            resize_vocab_to_match_tokenizer=resize_vocab,
-        )
-
-
-def save_hf_checkpoint(model: LmHeadModel, path: str | Path, *, tokenizer: Tokenizer) -> None:
-    """Write ``model`` as a Hugging Face checkpoint directory that ``transformers`` loads: the
-    config of the model's own architecture (Llama, Qwen2, Qwen3 ...), safetensors weights, the
-    tokenizer with its chat template, and a ``generation_config.json`` whose EOS ids are the
-    tokenizer's stop tokens. :func:`load_hf_checkpoint` reads it back."""
-    from levanter.compat.hf_checkpoints import HFCheckpointConverter
-    from transformers import GenerationConfig
-
-    from marin_rl_core.pretrained import SUPPORTED_MODEL_TYPES
-
-    path = Path(path).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    hf_config = model.config.to_hf_config(model.Vocab.size)
-    # The converter copies `architectures` from a reference checkpoint's config; the directory's
-    # own config (written first) is that reference, so nothing is fetched from the Hub.
-    hf_config.architectures = [SUPPORTED_MODEL_TYPES[hf_config.model_type]]
-    hf_config.save_pretrained(str(path))
-    converter = HFCheckpointConverter(
-        type(model.config),
-        reference_checkpoint=str(path),
-        HfConfigClass=type(hf_config),
-        tokenizer=tokenizer.to_hf(),
-    )
-    with _checkpoint_mesh():
-        converter.save_pretrained(model, str(path), save_reference_code=False, save_tokenizer=True)
-    GenerationConfig(
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=list(tokenizer.stop_ids),
-        pad_token_id=tokenizer.pad_id,
-    ).save_pretrained(str(path))
-
-
-# --- logprobs ------------------------------------------------------------------------------------
-
+from marin_rl_core.models.packing import BATCH, POS, pack_sequences
 
 LOGITS_BLOCK_BYTES = 256 * 2**20
 """The most memory one block of float32 logits takes in :func:`next_token_logprobs_and_entropy`:
@@ -317,7 +43,7 @@ def tempered_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Arra
     """``hidden [n, embed] @ lm_head [embed, vocab]`` in float32, divided by each row's
     ``temperature [n]`` (0 must already be replaced, e.g. by 1). The one projection of hidden
     states to logits: the trainer's log-probabilities and both samplers' (the dense sampler,
-    :func:`~marin_rl_core.inference._dense_sample`) use it, so they agree."""
+    :func:`~marin_rl_core.rollout.dense_sampler._dense_sample`) use it, so they agree."""
     logits = jnp.dot(hidden, lm_head, preferred_element_type=jnp.float32).astype(jnp.float32)
     return logits / temperature[:, None]
 
@@ -413,7 +139,7 @@ _LM_HEAD_SPLIT: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def lm_head_split(split: bool) -> Iterator[None]:
     """Within: the model's parameters (its LM head) are split over devices (FSDP), so
     :func:`next_token_logprobs_and_entropy` computes the LM head vocabulary-parallel. The
-    trainer's :class:`~marin_rl_core.trainer.Learner` says so around everything it traces."""
+    trainer's :class:`~marin_rl_core.learner.step.Learner` says so around everything it traces."""
     token = _LM_HEAD_SPLIT.set(split)
     try:
         yield
@@ -477,7 +203,7 @@ def next_token_logprobs_and_entropy(
         block_tokens: tokens (rows on one device x positions) per block of logits.
         segment_ids: int ``[..., position]`` for packed rows: a position attends only to
             earlier positions of its own segment (see
-            :func:`marin_rl_core.training_batch.training_batch_from_rollouts`).
+            :func:`marin_rl_core.learner.training_batch.training_batch_from_rollouts`).
         position_ids: int ``[..., position]``, each token's position within its segment (the
             rotary embedding's position); ``None`` counts from the start of the row.
 
@@ -608,8 +334,6 @@ def response_logprobs(
     Sequences longer than ``max_seq_len`` lose their response's tail; the returned arrays then
     cover only the kept tokens.
     """
-    from marin_rl_core.training_batch import pack_sequences
-
     packed = pack_sequences(prompts, responses, max_seq_len=max_seq_len, pad_id=pad_id)
     ids = hax.named(jnp.asarray(packed.input_ids), (BATCH, POS))
     logprobs = np.asarray(_batch_logprobs(model, ids, temperature).array)
@@ -621,11 +345,10 @@ def response_logprobs(
 
 
 __all__ = [
-    "build_model",
-    "llama_config",
-    "load_hf_checkpoint",
+    "LOGITS_BLOCK_BYTES",
+    "lm_head_split",
     "next_token_logprobs",
     "next_token_logprobs_and_entropy",
     "response_logprobs",
-    "save_hf_checkpoint",
+    "tempered_logits",
 ]

@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.checkpoint import STATE_FILE, resolve_checkpoint, run_config_file
-from marin_rl_core.config import resolve_config
+from marin_rl_core.config.loading import resolve_config
+from marin_rl_core.learner.checkpoint import STATE_FILE, resolve_checkpoint, run_config_file
 from marin_rl_core.registry import Registry
-from marin_rl_core.rollout_worker import EVAL_SEED_OFFSET
+from marin_rl_core.rollout.worker import EVAL_SEED_OFFSET
 
 
 def evaluate_checkpoint(
@@ -26,10 +26,15 @@ def evaluate_checkpoint(
     ...}}}``; a lesson whose env returns :class:`~marin_rl_core.types.Score` s also has each
     score metric's mean (``"format"``, ``"correct"`` ...).
     """
-    from marin_rl_core.checkpoint import CheckpointError, load_model, load_newest, read_state
-    from marin_rl_core.rollout_manager import RolloutManager
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.learner.checkpoint import (
+        CheckpointError,
+        load_model,
+        load_newest,
+        read_state,
+    )
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
 
     path = Path(path)
     if (path / "model.eqx").exists() or (path / STATE_FILE).exists():

@@ -133,7 +133,7 @@ def _resolve(
     selections: dict[str, str | None],
     extra_overrides: list[str] = (),  # type: ignore[assignment]
 ):  # type: ignore[no-untyped-def]
-    from marin_rl_core.config import resolve_config
+    from marin_rl_core.config.loading import resolve_config
 
     notes: list[str] = []
     resolved = resolve_config(
@@ -301,7 +301,7 @@ def config_show(
     """Print the fully resolved config, defaults included, as a --config file takes it."""
 
     def go() -> None:
-        from marin_rl_core.config import dump_config
+        from marin_rl_core.config.converter import dump_config
 
         registry = _registry(plugin, disable_plugin)
         cfg = _resolve(
@@ -349,7 +349,7 @@ def _resume_config(
             "--resume takes the run's saved config: leave out --config, --run-id and --model "
             "(--set still changes single values)"
         )
-    from marin_rl_core.checkpoint import run_config_file
+    from marin_rl_core.learner.checkpoint import run_config_file
 
     return run_config_file(run_dir, what="--resume")
 
@@ -363,8 +363,8 @@ def _resume_overrides(run_dir: Path) -> list[str]:
 def _train(cfg: Any, registry: Any) -> None:
     from rich.console import Console
 
-    from marin_rl_core.job import RLJob
-    from marin_rl_core.report import plot_reward_curve, render_summary, summarize
+    from marin_rl_core.cli.report import plot_reward_curve, render_summary, summarize
+    from marin_rl_core.job.driver import RLJob
 
     job = RLJob(cfg, registry)
     result = job.run(
@@ -390,7 +390,7 @@ def _log_to_run(path: Path, name: str) -> Iterator[None]:
     command's own warnings. ``path`` is a run directory or one of its checkpoints."""
     import logging
 
-    from marin_rl_core.job import attach_log_file
+    from marin_rl_core.job.actors import attach_log_file
 
     run_dir = path if (path / "config.toml").is_file() else path.parent.parent
     root = logging.getLogger()
@@ -426,7 +426,7 @@ def eval_command(
     """Score a saved checkpoint on every lesson of its run (no Ray, no weight transfer)."""
 
     def go() -> None:
-        from marin_rl_core.evaluation import evaluate_checkpoint
+        from marin_rl_core.job.evaluation import evaluate_checkpoint
 
         registry = _registry(plugin, disable_plugin)
         try:
@@ -475,7 +475,7 @@ def export(
     and chat template) that transformers loads with from_pretrained."""
 
     def go() -> None:
-        from marin_rl_core.export import export_hf
+        from marin_rl_core.learner.export import export_hf
 
         registry = _registry(plugin, disable_plugin)
         out, trained_step = export_hf(run_dir, out_dir, registry, step=step)
@@ -496,8 +496,8 @@ def report(
     def go() -> None:
         from rich.console import Console
 
+        from marin_rl_core.cli.report import plot_reward_curve, render_summary, summarize
         from marin_rl_core.errors import ConfigError
-        from marin_rl_core.report import plot_reward_curve, render_summary, summarize
 
         try:
             summary = summarize(run_dir)

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.checkpoint import CHECKPOINT_DIR, latest_checkpoint, run_config_file
-from marin_rl_core.config import resolve_config
+from marin_rl_core.config.loading import resolve_config
 from marin_rl_core.errors import ConfigError
+from marin_rl_core.learner.checkpoint import CHECKPOINT_DIR, latest_checkpoint, run_config_file
 from marin_rl_core.registry import Registry
 
 
@@ -55,9 +55,9 @@ def trained_model(
     by default), with the tokenizer the run used."""
     import json
 
-    from marin_rl_core.checkpoint import load_model
-    from marin_rl_core.tokenizer import model_tokenizer
-    from marin_rl_core.trainer import initial_model
+    from marin_rl_core.learner.checkpoint import load_model
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
 
     checkpoint = run_checkpoint(run_dir, step)
     config = resolve_config(registry, files=[Path(run_dir) / "config.toml"])
@@ -76,7 +76,7 @@ def export_hf(
         ConfigError: as :func:`run_checkpoint`, or an ``out_dir`` that is a file or a non-empty
             directory that is not an earlier export.
     """
-    from marin_rl_core.model import save_hf_checkpoint
+    from marin_rl_core.models.build import save_hf_checkpoint
 
     out = Path(out_dir).expanduser()
     if out.exists() and (

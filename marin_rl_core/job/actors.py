@@ -1,0 +1,362 @@
+"""The job's Ray actors: the trainer and rollout worker services, the curriculum service and its
+proxy, and what each worker process sets up (its log file under ``RUN_DIR/logs``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from marin_rl_core.config.loading import resolve_config
+from marin_rl_core.config.schema import RLJobConfig
+from marin_rl_core.errors import (
+    MarinRLError,
+)
+from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
+
+logger = logging.getLogger(__name__)
+_UNSET: Any = object()
+
+LOG_TIMEOUT_S = 60.0
+"""How long the trainer waits for the metrics actor to write a step's row."""
+
+
+@attrs.frozen(kw_only=True)
+class WorkerConfig:
+    """What one worker process needs to rebuild the driver's view of the run."""
+
+    role: str
+    """``"trainer"`` or ``"rollout"``."""
+    index: int
+    run_dir: str
+    config: dict[str, Any]
+    """The resolved run config as plain data (what ``config show`` prints)."""
+    registry: RegistrySpec
+
+    def resolve(self) -> tuple[RLJobConfig, Registry]:
+        registry = registry_from_spec(self.registry)
+        return resolve_config(registry, data=self.config), registry
+
+
+class _LogFile(logging.FileHandler):
+    """A log file that, once it cannot be written (a full disk), says so in one line and stops
+    trying, instead of printing a traceback for every record."""
+
+    _broken = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._broken:
+            super().emit(record)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:  # the last flush onto a full disk: already said
+            pass
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._broken:
+            self._broken = True
+            error = sys.exc_info()[1]
+            print(f"warning: cannot write {self.baseFilename} ({error}); logging to it stops",
+                  file=sys.stderr)  # fmt: skip
+
+
+def attach_log_file(path: Path) -> logging.Handler:
+    """Send the root logger's records (INFO and up) to ``path`` too; returns the handler, for
+    ``logging.getLogger().removeHandler`` and ``close``. Raises ``OSError`` when the file
+    cannot be opened; one that stops being writable later says so once (:class:`_LogFile`)."""
+    handler = _LogFile(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return handler
+
+
+def _worker_logging(run_dir: str, name: str) -> None:
+    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
+    path = Path(run_dir) / "logs"
+    path.mkdir(parents=True, exist_ok=True)
+    attach_log_file(path / f"{name}.log")
+    for chatty in ("levanter", "jax", "datasets", "absl"):
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+
+
+class CurriculumService:
+    """The job's one curriculum policy, shared by all rollout workers (a Ray actor)."""
+
+    def __init__(self, wc: WorkerConfig):
+        config, registry = wc.resolve()
+        record = registry.get("curriculum", config.curriculum.name)
+        self.policy = record.build(config.curriculum.config, config.curriculum.lessons)
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Resume from a checkpoint's curriculum state (``None``: a new run)."""
+        if state:
+            self.policy.load_state_dict(state)
+
+    def sample_lesson(self, seed: int) -> str:
+        return self.policy.sample_lesson(seed=seed)
+
+    def update_eval(self, stats: Any) -> None:
+        self.policy.update_eval(stats)
+
+    def update_training(self, stats: Any) -> None:
+        self.policy.update_training(stats)
+
+    def lesson_states(self) -> dict[str, str]:
+        return self.policy.lesson_states()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.policy.state_dict()
+
+
+class CurriculumProxy:
+    """Gives a worker the :class:`~marin_rl_core.protocols.CurriculumPolicy` interface over the
+    :class:`CurriculumService` actor. Updates are fire-and-forget; reads wait."""
+
+    def __init__(self, actor: Any):
+        self._actor = actor
+
+    def sample_lesson(self, *, seed: int) -> str:
+        import ray
+
+        return ray.get(self._actor.sample_lesson.remote(seed))
+
+    def update_eval(self, stats: Any) -> None:
+        self._actor.update_eval.remote(stats)
+
+    def update_training(self, stats: Any) -> None:
+        self._actor.update_training.remote(stats)
+
+    def lesson_states(self) -> dict[str, str]:
+        import ray
+
+        return ray.get(self._actor.lesson_states.remote())
+
+    def state_dict(self) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self._actor.state_dict.remote())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "the job restores curriculum state with CurriculumService.load_state"
+        )
+
+
+class _SetUpError:
+    """A :class:`MarinRLError` raised while an actor sets up (a trainer mesh that does not fit
+    its devices, say) is kept and re-raised by its next method call: Ray reports an exception of
+    an actor's ``__init__`` only as ``ActorDiedError``, without the exception itself, so the
+    message and exit code would be lost."""
+
+    _setup_error: MarinRLError | None = None
+
+    def _set_up(self, fn: Any) -> None:
+        try:
+            fn()
+        except MarinRLError as exc:
+            logging.getLogger(__name__).exception("set-up failed")
+            self._setup_error = exc
+
+    def _check(self) -> None:
+        if self._setup_error is not None:
+            raise self._setup_error
+
+
+def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
+    """The job's actor named ``name`` (its metrics hub or curriculum).
+
+    The driver creates the trainer and rollout workers before these two, so that the two heavy
+    processes start in the worker processes Ray has already started (issue 11); Ray registers a
+    named actor before its creation call returns, so the name is there by the time a worker
+    asks. Waiting a little is only for safety; a name still missing is a job error."""
+    import ray
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ray.get_actor(name)
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise MarinRLError(
+                    f"the job's actor {name!r} did not appear within {timeout:.0f} s; the driver "
+                    "may have died while starting the job: run it again"
+                ) from None
+            time.sleep(0.05)
+
+
+class TrainerService(_SetUpError):
+    """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up.
+
+    Like :class:`RolloutService` it finds the job's curriculum and metrics hub by their names."""
+
+    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
+
+    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
+        _worker_logging(wc.run_dir, "trainer")
+        logger.info("trainer process %d", os.getpid())
+        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        import ray
+
+        from marin_rl_core.job import compile_cache
+        from marin_rl_core.learner.trainer import Trainer
+
+        config, registry = wc.resolve()
+        compile_cache.enable(config.compilation_cache)
+        transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+            config.weight_transfer.config
+        )
+        self.server = transfer.server()
+        proxy = CurriculumProxy(curriculum)
+        self.trainer = Trainer(
+            config,
+            registry,
+            run_dir=wc.run_dir,
+            reader=storage.reader(),
+            weight_server=self.server,
+            # Awaited: a step's row is in metrics.jsonl before its checkpoint is written.
+            log=lambda metrics, *, step, source: ray.get(
+                hub.log.remote(metrics, step=step, source=source), timeout=LOG_TIMEOUT_S
+            ),
+            curriculum_state=proxy.state_dict,
+        )
+
+    def ready(self) -> dict[str, Any]:
+        """The weight server's address, the step it starts from, the curriculum state and each
+        rollout worker's next batch (``positions``) of the checkpoint it restored, and warnings
+        for the user (damaged checkpoints it skipped)."""
+        self._check()
+        return {
+            "address": self.server.address,
+            "step": self.trainer.step,
+            "curriculum": self.trainer.resumed_state.get("curriculum"),
+            "positions": dict(self.trainer.rollout_positions),
+            "warnings": list(self.trainer.resume_warnings),
+        }
+
+    def diagnostics(self) -> dict[str, Any]:
+        self._check()
+        return self.trainer.diagnostics()
+
+    def starved_seconds(self) -> float:
+        """See :meth:`marin_rl_core.learner.trainer.Trainer.starved_seconds` (paced workers ask)."""
+        self._check()
+        return self.trainer.starved_seconds()
+
+    def run(self) -> int:
+        self._check()
+        try:
+            return self.trainer.run()
+        finally:
+            logging.getLogger(__name__).info("trainer stopped at step %d", self.trainer.step)
+
+    def stop(self) -> None:
+        if self._setup_error is None:
+            self.trainer.request_stop()
+
+    def step(self) -> int:
+        self._check()
+        return self.trainer.step
+
+    def close(self) -> None:
+        if self._setup_error is None:
+            self.server.close()
+
+
+class RolloutService(_SetUpError):
+    """One rollout worker process (a Ray actor), restarted by Ray when its process dies.
+
+    It finds the job's curriculum and metrics hub by their actor names: Ray re-runs the
+    constructor of a restarted actor with the same arguments, and actor handles among them
+    would have to stay pinned for that (Ray says so on the console)."""
+
+    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
+        self._connected = False
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
+
+    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
+        _worker_logging(wc.run_dir, f"rollout-{wc.index}")
+        import ray
+
+        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        # Awaited (a call still in flight is lost with a process killed right after): a
+        # restart during set-up is then counted by the driver.
+        ray.get(hub.worker_started.remote(wc.index, os.getpid()), timeout=LOG_TIMEOUT_S)
+
+        logger.info(
+            "rollout worker %d process %d on node %s (%s)",
+            wc.index,
+            os.getpid(),
+            ray.get_runtime_context().get_node_id(),
+            ray.util.get_node_ip_address(),
+        )
+        from marin_rl_core.job import compile_cache
+        from marin_rl_core.rollout.worker import RolloutWorker
+
+        config, registry = wc.resolve()
+        compile_cache.enable(config.compilation_cache)
+        self._transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+            config.weight_transfer.config
+        )
+        self.worker = RolloutWorker(
+            config,
+            registry,
+            worker_index=wc.index,
+            writer=storage.writer(),
+            weight_client=None,  # connected in run(), once the trainer's server is up
+            curriculum=CurriculumProxy(curriculum),
+            log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+        )
+        self.worker.warm_up()  # compiles while the trainer sets up
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
+            logger.warning("rollout worker %d restarted after its process died", wc.index)
+
+    def run(self, address: str, start_batch: int = 0, trainer: Any = None) -> dict[str, int]:
+        """Connect to the trainer's weight server at ``address`` (the first time; the worker sets
+        up before the trainer is ready) and generate from batch ``start_batch`` on until
+        stopped. ``trainer`` (its actor) tells a paced worker when it is short of rollouts."""
+        self._check()
+        self._connect(address, start_batch, trainer)
+        return self.worker.run()
+
+    def _connect(self, address: str, start_batch: int = 0, trainer: Any = None) -> None:
+        if self._connected:
+            return
+        self.worker.weight_client = self._transfer.client(address)
+        self.worker.next_batch = start_batch
+        if trainer is not None:
+            import ray
+
+            self.worker.trainer_starved = lambda: float(
+                ray.get(trainer.starved_seconds.remote(), timeout=5.0)
+            )
+        self._connected = True
+
+    def stop(self) -> None:
+        if self._setup_error is None:
+            self.worker.request_stop()
+
+    def final_eval(self, step: int, address: str, timeout: float) -> dict[str, float]:
+        """Evaluate the weights of ``step``, pulled from the trainer's server at ``address``
+        (a worker restarted after its last run was handed out has not connected yet)."""
+        self._check()
+        self._connect(address)
+        return self.worker.final_eval(step, timeout=timeout)
+
+    def counters(self) -> dict[str, int]:
+        self._check()
+        return self.worker.counters()
+
+    def process(self) -> int:
+        """This worker's process id (a restarted worker has a new one)."""
+        return os.getpid()

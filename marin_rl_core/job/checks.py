@@ -1,0 +1,207 @@
+"""What the driver checks before it starts anything: the cluster answers and can place every
+actor, the model's settings hold together, a resumed run's config matches its checkpoints, the
+run directory can be written; and the one-line error text the driver shows."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+from marin_rl_core.config.schema import RLJobConfig
+from marin_rl_core.errors import (
+    ClusterError,
+    RunDirError,
+)
+
+_UNSET: Any = object()
+
+
+def _format_resources(resources: dict[str, float]) -> str:
+    def one(name: str, amount: float) -> str:
+        if name == "memory":
+            return f"{amount / 2**30:.1f} GiB memory"
+        return f"{amount:g} {name}"
+
+    return ", ".join(one(k, v) for k, v in sorted(resources.items())) or "nothing"
+
+
+def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
+    """Refuse a job whose ``[resources]`` the cluster cannot meet, before any actor starts (Ray
+    would leave such an actor pending forever).
+
+    Args:
+        config: the run config.
+        nodes: the resources of each live node (``ray.nodes()[i]["Resources"]``).
+
+    Raises:
+        ResourcesUnavailableError: naming what each role asks for and what the cluster has.
+    """
+    from marin_rl_core.errors import ResourcesUnavailableError
+
+    cluster: dict[str, float] = {}
+    for node in nodes:
+        for name, amount in node.items():
+            if (
+                not name.startswith(("node:", "accelerator_type:"))
+                and name != "object_store_memory"
+            ):
+                cluster[name] = cluster.get(name, 0.0) + amount
+    roles = [
+        ("trainer", "resources.trainer", config.resources.trainer.requested(), 1),
+        (
+            "each rollout worker",
+            "resources.rollout",
+            config.resources.rollout.requested(),
+            config.num_rollout_workers,
+        ),
+    ]
+    problems, total = [], {}
+    for role, path, asked, count in roles:
+        for name, amount in asked.items():
+            total[name] = total.get(name, 0.0) + amount * count
+        if asked and not any(
+            all(node.get(k, 0.0) >= v for k, v in asked.items()) for node in nodes
+        ):
+            problems.append(
+                f"the {role} asks for {_format_resources(asked)} ($.{path}), and no node has that"
+            )
+    short = {k: v for k, v in total.items() if cluster.get(k, 0.0) < v}
+    if short and not problems:
+        problems.append(
+            f"together the trainer and {config.num_rollout_workers} rollout worker(s) ask for "
+            f"{_format_resources(short)}"
+        )
+    if problems:
+        raise ResourcesUnavailableError(
+            "the Ray cluster cannot run this job: "
+            + "; ".join(problems)
+            + f". The cluster has {_format_resources(cluster)}"
+            + (f" on {len(nodes)} nodes" if len(nodes) > 1 else "")
+            + ". Lower those [resources] values (or num_rollout_workers), or run on a cluster "
+            "that has them (--ray-address; `ray start --num-gpus N --resources '{\"TPU\": 4}'` "
+            "adds a node's resources)."
+        )
+
+
+def check_model(config: RLJobConfig) -> list[str]:
+    """Problems of the ``[model]`` section found without building the model: the checkpoint
+    exists and is a supported architecture, its tokenizer loads and fits its vocabulary, and
+    ``max_seq_len`` fits its context length. Returns error lines; raises :class:`ConfigError`
+    for a checkpoint that cannot be found at all."""
+    from marin_rl_core.models.pretrained import check_vocab, context_length, read_pretrained_info
+    from marin_rl_core.models.tokenizer import model_tokenizer
+
+    model = config.model
+    if not model.checkpoint and model.tokenizer in ("auto", "arithmetic"):
+        return []
+    if model.checkpoint:
+        read_pretrained_info(model.checkpoint)  # exists, and an architecture marinrl trains
+    try:
+        tokenizer = model_tokenizer(model)
+    except ValueError as exc:
+        return [f"$.model.tokenizer: {exc}"]
+    if not model.checkpoint:
+        return []
+    check_vocab(model, tokenizer)
+    errors = []
+    limit = context_length(model)
+    if limit is not None and model.max_seq_len > limit:
+        errors.append(
+            f"$.model.max_seq_len ({model.max_seq_len}) is longer than the checkpoint's context "
+            f"length (max_position_embeddings = {limit}); lower it to at most {limit}"
+        )
+    return errors
+
+
+STATE_SHAPING_MODEL_FIELDS = ("checkpoint", "tokenizer", "resize_vocab")
+"""``[model]`` settings that decide what a checkpoint holds, for any model; the default model's
+shape fields count too when no checkpoint is set."""
+DEFAULT_MODEL_SHAPE_FIELDS = (
+    "hidden_dim", "intermediate_dim", "num_layers", "num_heads", "num_kv_heads",
+)  # fmt: skip
+
+
+def resume_conflicts(saved: RLJobConfig, new: RLJobConfig) -> list[str]:
+    """Settings of ``new`` that change what the checkpoints of a run saved with ``saved`` hold
+    (the model's shape, vocabulary, parameter dtype), as ``"model.hidden_dim: 64 -> 128"``: a
+    resume with them could not load the run's checkpoints. Empty when they load."""
+    fields = list(STATE_SHAPING_MODEL_FIELDS)
+    if not saved.model.checkpoint and not new.model.checkpoint:
+        fields += DEFAULT_MODEL_SHAPE_FIELDS
+    out = [
+        f"model.{name}: {getattr(saved.model, name)!r} -> {getattr(new.model, name)!r}"
+        for name in fields
+        if getattr(saved.model, name) != getattr(new.model, name)
+    ]
+    dtypes = [
+        c.trainer.mp_policy(hf_checkpoint=bool(c.model.checkpoint)).param_dtype
+        for c in (saved, new)
+    ]
+    if dtypes[0] != dtypes[1]:
+        out.append(
+            f"trainer.precision: {saved.trainer.precision!r} -> {new.trainer.precision!r} "
+            f"(parameters in {dtypes[0].__name__} -> {dtypes[1].__name__})"
+        )
+    return out
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+RUN_DIR_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EEXIST,
+}
+
+
+def run_dir_error(exc: OSError, run_dir: Path, *, resumable: bool) -> RunDirError:
+    """A :class:`RunDirError` for an ``OSError`` writing the run directory, with the fix."""
+    what = exc.filename or run_dir
+    fixes = {
+        errno.ENOSPC: "free some space there",
+        errno.EDQUOT: "free some space there",
+        errno.EROFS: "choose a writable run_dir",
+        errno.EACCES: "choose a run_dir you may write to",
+        errno.EPERM: "choose a run_dir you may write to",
+        errno.ENOTDIR: "a file is in the way: choose another run_dir",
+        errno.EEXIST: "a file is in the way: choose another run_dir",
+    }
+    fix = fixes.get(exc.errno or 0, "check the run directory")
+    resume = f", then resume with `marinrl run --resume {run_dir}`" if resumable else ""
+    return RunDirError(f"cannot write {what}: {exc.strerror or exc}; {fix}{resume}")
+
+
+def probe_ray_address(address: str, *, timeout: float = 5.0) -> None:
+    """Raise :class:`ClusterError` unless something accepts connections at ``address``
+    (``HOST:PORT``, ``ray://HOST:PORT``; ``auto`` is left to Ray). A wrong address would
+    otherwise have Ray retry for minutes."""
+    import socket
+
+    if address == "auto":
+        return
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(
+            f"--ray-address {address!r} is not HOST:PORT (the address `ray start --head` prints, "
+            "for example 127.0.0.1:6379)"
+        )
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, TimeoutError | socket.timeout):
+            reason = f"no answer within {timeout:g} s"
+        raise ClusterError(
+            f"nothing answers at {address} (--ray-address / $.ray_address): {reason}. Start the "
+            f"cluster's head there (`ray start --head --port {port}`), correct the address, or "
+            "leave --ray-address out to start a local Ray."
+        ) from None

@@ -1,0 +1,447 @@
+"""``RLJob``: one trainer and N rollout workers as Ray actors, from one :class:`RLJobConfig`.
+
+The driver (``marinrl run`` or ``RLJob(config, registry).run()``):
+
+1. validates the config (before anything is written);
+2. joins ``ray_address`` (after checking that something answers there) or starts a local Ray
+   with token authentication, and checks that the cluster can place every actor;
+3. only then creates the run directory, writes ``config.toml`` (run directory absolute) and
+   opens ``driver.log``;
+4. starts the shared actors (metrics hub, curriculum) and the trainer, and waits until it is
+   ready: weights built or restored from the newest intact checkpoint (a damaged newer one is
+   skipped, with a warning), weight server up; the curriculum resumes from the same checkpoint;
+5. starts the rollout workers, pointed at the trainer's weight server and the rollout storage;
+6. watches (:class:`Watch`): a progress bar until the trainer reaches ``num_train_steps``; a
+   rollout worker whose process dies is restarted (``faults.worker_restarts``, with backoff);
+   a watchdog stops a job in which no step completes for ``faults.stall_timeout_s`` and says
+   why; then it stops the rollout workers, has worker 0 evaluate the final weights, and
+   returns. Every wait is bounded (``faults.stop_timeout_s``).
+
+Every worker gets the config as plain data plus the driver's :class:`RegistrySpec`; it rebuilds
+the registry and refuses to start if its plugins differ from the driver's. Ctrl-C, SIGTERM (via
+``marinrl run``), a stalled job and a lost worker stop the trainer with a checkpoint first;
+``marinrl run --resume RUN_DIR`` goes on from it. Failures reach the caller as
+:class:`~marin_rl_core.errors.MarinRLError` s with their exit codes (docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from marin_rl_core.config.converter import dump_config, unstructure_config
+from marin_rl_core.config.loading import resolve_config
+from marin_rl_core.config.schema import RLJobConfig
+from marin_rl_core.errors import (
+    ClusterError,
+    ConfigError,
+    MarinRLError,
+    WorkerLostError,
+)
+from marin_rl_core.job.actors import (
+    CurriculumService,
+    RolloutService,
+    TrainerService,
+    WorkerConfig,
+    attach_log_file,
+)
+from marin_rl_core.job.checks import (
+    RUN_DIR_ERRNOS,
+    check_model,
+    check_resources,
+    first_line,
+    probe_ray_address,
+    resume_conflicts,
+    run_dir_error,
+)
+from marin_rl_core.job.local_ray import handle_sigterm, lean_loopback_head, no_token_auth_notice
+from marin_rl_core.job.watch import Watch
+from marin_rl_core.registry import Registry
+
+logger = logging.getLogger(__name__)
+_UNSET: Any = object()
+
+
+@attrs.frozen(kw_only=True)
+class JobResult:
+    """What :meth:`RLJob.run` returns."""
+
+    run_dir: Path
+    final_step: int
+    interrupted: bool
+    final_eval: dict[str, Any]
+    rollout_counters: list[dict[str, int]]
+    ray_address: str = ""
+    """The GCS address of the Ray cluster the job ran on (given, or the local one it started)."""
+
+    def load_model(self) -> Any:
+        """The trained policy, read from the run's final checkpoint."""
+        from marin_rl_core.learner.export import trained_model
+        from marin_rl_core.registry import build_registry
+
+        return trained_model(self.run_dir, build_registry())[0]
+
+    def export(self, out_dir: str | Path) -> Path:
+        """Write the trained policy as a Hugging Face checkpoint directory (what ``marinrl
+        export RUN_DIR OUT_DIR`` does); ``transformers`` loads it with ``from_pretrained``."""
+        from marin_rl_core.learner.export import export_hf
+        from marin_rl_core.registry import build_registry
+
+        return export_hf(self.run_dir, out_dir, build_registry())[0]
+
+
+class RLJob:
+    """A configured RL training job. ``run()`` trains; ``to_worker_configs()`` shows what each
+    worker would get.
+
+    Args:
+        config: a resolved config (from :func:`~marin_rl_core.config.resolve_config`).
+        registry: the registry the config was resolved with (workers rebuild it from its spec).
+    """
+
+    def __init__(self, config: RLJobConfig, registry: Registry):
+        self.config = config
+        self.registry = registry
+        self.run_id = config.run_id or time.strftime("rl-%Y%m%d-%H%M%S")
+        # Absolute, so the saved config and the printed resume command work from anywhere.
+        self.run_dir = Path(config.run_dir).expanduser().absolute() / self.run_id
+        self._auth_mode: Any = _UNSET
+        self._log_handler: logging.Handler | None = None
+        self.validate()
+
+    def saved_config(self) -> RLJobConfig:
+        """The config as ``config.toml`` keeps it: run id and absolute run directory filled in."""
+        return attrs.evolve(self.config, run_id=self.run_id, run_dir=str(self.run_dir.parent))
+
+    def validate(self) -> None:
+        """Checks beyond the config's own: sequence lengths fit the model, lessons exist."""
+        errors = []
+        max_seq = self.config.model.max_seq_len
+        for i, lesson in enumerate(self.config.curriculum.lessons):
+            sampling = self.config.sampling_for(lesson)
+            if sampling.max_tokens >= max_seq:
+                where = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
+                errors.append(
+                    f"{where}.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in "
+                    f"$.model.max_seq_len ({max_seq})"
+                )
+            evaluating = self.config.eval_sampling_for(lesson)
+            if evaluating.max_tokens >= max_seq:
+                where = (
+                    f"$.curriculum.lessons[{i}].eval_sampling"
+                    if lesson.eval_sampling
+                    else "$.eval.sampling"
+                )
+                errors.append(f"{where}.max_tokens must be < $.model.max_seq_len ({max_seq})")
+        if not self.config.curriculum.lessons:
+            errors.append("$.curriculum.lessons: a job needs at least one lesson")
+        self._check_resume()
+        errors += check_model(self.config)
+        if errors:
+            lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
+            raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
+
+    def _check_resume(self) -> None:
+        """A run directory that already holds a run is resumed: its checkpoints must load with
+        this config. Raises :class:`ConfigError` naming each setting that changes what they
+        hold, before anything is written (the saved ``config.toml`` stays as it was)."""
+        saved_file = self.run_dir / "config.toml"
+        if not saved_file.is_file():
+            return
+        try:
+            saved = resolve_config(self.registry, files=[saved_file])
+        except MarinRLError as exc:
+            logger.warning("the saved config of %s does not resolve: %s", self.run_dir, exc)
+            return  # the checkpoint load says what is wrong, if anything
+        conflicts = resume_conflicts(saved, self.config)
+        if conflicts:
+            raise ConfigError(
+                f"--resume {self.run_dir}: these settings change what the run's checkpoints hold, "
+                "so they could not be loaded:\n"
+                + "\n".join(f"  {c}" for c in conflicts)
+                + "\nDrop those --set values to resume, or start a new run (another --run-id) "
+                "with them. The saved run is unchanged."
+            )
+
+    def to_worker_configs(self) -> tuple[WorkerConfig, list[WorkerConfig]]:
+        """``(trainer, [rollout worker, ...])`` configs, exactly as the actors receive them."""
+        data = unstructure_config(self.saved_config(), self.registry)
+        spec = self.registry.spec
+
+        def make(role: str, index: int) -> WorkerConfig:
+            return WorkerConfig(
+                role=role, index=index, run_dir=str(self.run_dir), config=data, registry=spec
+            )
+
+        return make("trainer", 0), [
+            make("rollout", i) for i in range(self.config.num_rollout_workers)
+        ]
+
+    def _start_ray(self) -> bool:
+        """Join ``ray_address`` (checked to answer first) or start a local Ray with token
+        authentication; returns whether this call started (and so must stop) Ray."""
+        import ray
+
+        if ray.is_initialized():
+            return False
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        address = self.config.ray_address
+        if address:
+            probe_ray_address(address)
+            try:
+                ray.init(address=address, log_to_driver=False)
+            except Exception as exc:  # a version mismatch, an auth token it refuses, ...
+                raise ClusterError(
+                    f"could not join the Ray cluster at {address} ($.ray_address / "
+                    f"--ray-address): {type(exc).__name__}: {first_line(exc)}. Check that it is "
+                    "a Ray head of the same Ray version (`ray status --address ADDRESS`)."
+                ) from exc
+            return True
+        # Ray turns token authentication on for a new local cluster and sets RAY_AUTH_MODE in
+        # os.environ, with a warning addressed to Ray users: keep the authentication, drop the
+        # warning, and give RAY_AUTH_MODE its previous value back at shutdown so that child
+        # processes do not inherit Ray's.
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            no_token_auth_notice
+        )
+        # address="local": a new instance even where `ray start` left a cluster address behind
+        # (plain ray.init() would try to join that one).
+        with lean_loopback_head():
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=os.cpu_count() or 2,
+            )
+        address = ray.get_runtime_context().gcs_address
+        if not address.startswith(("127.", "[::1]", "localhost")):
+            logger.warning("the local Ray instance listens at %s, not on loopback only", address)
+        return True
+
+    def _stop_ray(self) -> None:
+        import ray
+
+        ray.shutdown()
+        if self._auth_mode is not _UNSET:
+            if self._auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._auth_mode
+            self._auth_mode = _UNSET
+
+    def _write_run_dir(self, config: RLJobConfig) -> None:
+        """Create the run directory, write ``config.toml`` and open ``driver.log``: only after
+        every check passed, so a bad resume leaves the saved run as it was."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not (self.run_dir / "config.toml").exists():
+                self._save_config(config)
+            # A resume's config replaces the saved one only once the trainer has restored a
+            # checkpoint with it (_run_actors): a resume that fails leaves the run resumable.
+            self._log_handler = attach_log_file(self.driver_log)
+        except OSError as exc:
+            raise run_dir_error(exc, self.run_dir, resumable=False) from None
+
+    def _save_config(self, config: RLJobConfig) -> None:
+        """Write ``config.toml`` whole or not at all (a crash mid-write keeps the old one)."""
+        tmp = self.run_dir / "config.toml.tmp"
+        tmp.write_text(dump_config(config, self.registry))
+        tmp.replace(self.run_dir / "config.toml")
+
+    @property
+    def driver_log(self) -> Path:
+        return self.run_dir / "driver.log"
+
+    def resume_command(self) -> str:
+        return f"marinrl run --resume {self.run_dir}"
+
+    def run(
+        self, *, progress: bool = True, on_start: Callable[[], None] | None = None
+    ) -> JobResult:
+        """Train to ``num_train_steps`` (or Ctrl-C / SIGTERM); see the module docstring.
+
+        ``on_start`` is called once the cluster is reached and the run directory written (the
+        CLI says "writing to RUN" then, not before a cluster that cannot be reached).
+
+        Raises:
+            MarinRLError: a user-facing error with its exit code: the cluster cannot be reached
+                (:class:`ClusterError`) or cannot place the job, the run directory cannot be
+                written (:class:`RunDirError`), no intact checkpoint to resume, a stalled job
+                (:class:`StalledError`), a worker lost for good (:class:`WorkerLostError`), a
+                diverged loss; anything else as a :class:`MarinRLError` naming the log that
+                holds its traceback. A running job stops with a final checkpoint first.
+        """
+        import ray
+
+        config = self.saved_config()
+        started_ray = self._start_ray()
+        # After ray.init, which installs its own SIGTERM handler (exit 1, no checkpoint).
+        restore_sigterm = handle_sigterm()
+        try:
+            ray_address = ray.get_runtime_context().gcs_address
+            nodes = [n for n in ray.nodes() if n.get("Alive")]
+            check_resources(config, [n["Resources"] for n in nodes])
+            self._write_run_dir(config)
+            if on_start is not None:
+                on_start()
+            logger.info(
+                "%s Ray cluster at %s: %d node(s) at %s",
+                "started a local" if started_ray and not config.ray_address else "using the",
+                ray_address,
+                len(nodes),
+                ", ".join(str(n.get("NodeManagerAddress")) for n in nodes),
+            )
+            try:
+                return self._run_actors(config, ray_address, progress)
+            except Exception as exc:
+                raise self._user_error(exc) from None
+        finally:
+            restore_sigterm()
+            if self._log_handler is not None:
+                logging.getLogger().removeHandler(self._log_handler)
+                self._log_handler.close()
+                self._log_handler = None
+            if started_ray:
+                self._stop_ray()
+
+    def _user_error(self, exc: BaseException) -> MarinRLError:
+        """What the user is told about ``exc`` (a worker's error arrives wrapped by Ray); the
+        traceback goes to ``driver.log``."""
+        cause = getattr(exc, "cause", None) or exc
+        if isinstance(cause, MarinRLError):
+            return cause
+        logger.error("the job failed", exc_info=exc)
+        if isinstance(cause, OSError) and cause.errno in RUN_DIR_ERRNOS:
+            return run_dir_error(cause, self.run_dir, resumable=True)
+        if "No space left on device" in str(cause):  # TensorStore's errors are not OSErrors
+            return run_dir_error(
+                OSError(errno.ENOSPC, "No space left on device", str(self.run_dir)),
+                self.run_dir,
+                resumable=True,
+            )
+        return MarinRLError(
+            f"the job failed: {type(cause).__name__}: {first_line(cause)}. The traceback is in "
+            f"{self.driver_log} and the workers' logs in {self.run_dir / 'logs'}; the last "
+            f"checkpoint is kept (resume with `{self.resume_command()}`)."
+        )
+
+    def _run_actors(self, config: RLJobConfig, ray_address: str, progress: bool) -> JobResult:
+        import ray
+
+        from marin_rl_core.metrics import MetricsHub
+
+        trainer_wc, rollout_wcs = self.to_worker_configs()
+        faults = config.faults
+        actors: list[Any] = []
+        storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
+        try:
+            names = {role: f"marinrl-{self.run_id}-{os.urandom(4).hex()}-{role}" for role in
+                     ("hub", "curriculum")}  # fmt: skip
+            # The trainer and rollout workers first: Ray starts as many worker processes as the
+            # node has CPUs as soon as the driver connects, and the first actors created get
+            # them (~0.5 s sooner than a new process on a 2-core machine). The hub and the
+            # curriculum follow; the workers find them by name.
+            trainer = (
+                ray.remote(TrainerService)
+                .options(**config.resources.trainer.ray_options(), max_concurrency=4)
+                .remote(trainer_wc, storage, names["curriculum"], names["hub"])
+            )
+            actors.append(trainer)
+            # The rollout workers set up (model, sampler, envs) while the trainer does; they
+            # connect to its weight server when they are handed their run.
+            rollouts = [
+                ray.remote(RolloutService)
+                .options(
+                    **config.resources.rollout.ray_options(),
+                    max_concurrency=4,
+                    max_restarts=faults.worker_restarts,
+                    max_task_retries=0,
+                )
+                .remote(wc, storage, names["curriculum"], names["hub"])
+                for wc in rollout_wcs
+            ]
+            actors += rollouts
+            hub = (
+                ray.remote(MetricsHub)
+                .options(num_cpus=0, name=names["hub"])
+                .remote(str(self.run_dir), config.logging.tracker, self.run_id)
+            )
+            curriculum = (
+                ray.remote(CurriculumService)
+                .options(num_cpus=0, name=names["curriculum"])
+                .remote(trainer_wc)
+            )
+            actors += [hub, curriculum]
+            try:
+                info = ray.get(trainer.ready.remote())
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerLostError(
+                    f"the trainer process died while setting up ({first_line(exc)}); see "
+                    f"{self.run_dir / 'logs' / 'trainer.log'}"
+                ) from exc
+            for warning in info["warnings"]:
+                logger.warning("%s", warning)
+                print(f"warning: {warning}", file=sys.stderr)
+            try:
+                self._save_config(config)  # the checkpoint (if any) loaded with this config
+            except OSError as exc:
+                raise run_dir_error(exc, self.run_dir, resumable=True) from None
+            # The curriculum resumes from the checkpoint the trainer restored, and the metrics
+            # of steps after it (logged by the run that died) give way to the steps trained again.
+            ray.get(curriculum.load_state.remote(info["curriculum"]))
+            start_step = int(info["step"])
+            # Each rollout worker goes on after the last batch the checkpoint received, so the
+            # resumed run draws the problems the uninterrupted one would have drawn.
+            positions = {int(k): int(v) for k, v in info["positions"].items()}
+            # (A run resumed before its first checkpoint starts again at step 0.)
+            dropped = ray.get(hub.resume_at.remote(start_step))
+            if start_step or dropped:
+                logger.info(
+                    "resuming at step %d (%d metric rows of later steps dropped)",
+                    start_step,
+                    dropped,
+                )
+            watch = Watch(self, trainer, rollouts, hub, start_step, info["address"], positions)
+            interrupted = False
+            try:
+                final_step = watch.run(progress)
+            except KeyboardInterrupt:
+                interrupted = True
+                logger.warning("interrupted: stopping the trainer, which writes a checkpoint")
+                final_step = watch.stop_trainer()
+            except BaseException:
+                # A stalled job or a lost worker: keep what the trainer has, then report.
+                watch.stop_trainer()
+                raise
+            counters = watch.stop_rollouts()
+            final_eval: dict[str, Any] = {}
+            if not interrupted:
+                final_eval = watch.final_eval(final_step)
+            ray.get(trainer.close.remote(), timeout=faults.stop_timeout_s)
+            ray.get(hub.close.remote(), timeout=faults.stop_timeout_s)
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+            close = getattr(storage, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # the queue actor may already be gone with Ray
+                    pass
+        return JobResult(
+            run_dir=self.run_dir,
+            final_step=final_step,
+            interrupted=interrupted,
+            final_eval=final_eval,
+            rollout_counters=counters,
+            ray_address=ray_address,
+        )

@@ -1,0 +1,87 @@
+"""The driver's own Ray: a lean local head on loopback (no API server, autoscaler monitor or log
+monitor), SIGTERM handling, and quieting Ray's notices that do not apply."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+_UNSET: Any = object()
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what schedulers and preemption send), handled like Ctrl-C: the trainer writes
+    a checkpoint and the job ends with exit code 130."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def handle_sigterm() -> Any:
+    """Turn SIGTERM into :class:`Terminated` in the main thread; returns the undo."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    return lambda: signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def lean_loopback_head() -> Iterator[None]:
+    """Settings of Ray for the job's own local instance, for one ``ray.init`` (put back after).
+
+    * Ray's single-machine mode (its default on macOS and Windows) puts the node on 127.0.0.1,
+      so every server of this instance listens on loopback only; Ray reads the switch
+      (``ray_constants.ENABLE_RAY_CLUSTER``) when it picks the node's address.
+    * No HTTP API server, no autoscaler monitor and no log monitor: one node that never scales,
+      no dashboard (``include_dashboard=False`` still starts the API server, for usage
+      statistics only) and no job or state API clients need the first two, and the log monitor
+      only copies workers' output to drivers that ask for it (``log_to_driver``), which the
+      job's driver does not (each worker logs to ``run_dir/logs``). ``ray.init`` waits for the
+      first two one after the other, and the log monitor's start competes for the CPU with the
+      raylet's: together ~4 s of the job's start-up on a 2-core machine (issue 11). Ray has no
+      public switch for them, so the three methods of Ray's ``Node`` that start them are
+      skipped; where a Ray version lacks one, Ray starts that process as usual. Want the
+      dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
+      ``--ray-address``.
+    * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
+      their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
+      whole process group (Slurm's ``scancel``, Kubernetes) reaches the driver alone, which
+      stops the trainer with a final checkpoint and then shuts Ray down. They still die with
+      the driver (Ray's fate sharing).
+    """
+    from ray._private import node, ray_constants, services
+
+    # (owner, attribute, value while the job's ray.init runs); each is put back after.
+    patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
+    patches += [
+        (node.Node, name, _skip_head_process)
+        for name in ("start_api_server", "start_monitor", "start_log_monitor")
+        if name in node.Node.__dict__
+    ]
+    if sys.platform != "win32":
+        own_session = functools.partial(services.ConsolePopen, start_new_session=True)
+        patches.append((services, "ConsolePopen", own_session))
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, value in patches:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def no_token_auth_notice(record: logging.LogRecord) -> bool:
+    return "Token authentication is enabled for this Ray cluster" not in record.getMessage()

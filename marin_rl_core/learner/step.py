@@ -1,0 +1,429 @@
+"""The train step on levanter's trainer machinery: :class:`Learner` holds the device mesh, the
+sharded parameters and optimizer state (AdamW from :func:`make_optimizer`), mixed precision and
+gradient accumulation, and runs the loss plugin's loss as levanter's own step, with the frozen
+models a loss needs passed in as sharded arguments (never compiled in as constants)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from marin_rl_core.config.schema import MeshConfig, TrainerConfig
+from marin_rl_core.errors import ConfigError
+
+
+def all_finite(tree: Any) -> bool:
+    """Whether every floating-point array of ``tree`` is free of NaN and infinity."""
+    import equinox as eqx
+
+    _compile_finite()
+    return bool(_finite_jit(eqx.filter(tree, eqx.is_inexact_array)))
+
+
+def _finite(tree: Any) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    leaves = jax.tree.leaves(tree)
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])) if leaves else True
+
+
+_finite_jit: Any = None
+
+
+def _compile_finite() -> None:
+    global _finite_jit
+    if _finite_jit is None:
+        import jax
+
+        _finite_jit = jax.jit(_finite)
+
+
+def make_schedule(t: TrainerConfig) -> Any:
+    """The learning rate against the optimizer step: linear warmup to ``learning_rate``, then
+    ``lr_schedule`` down to ``min_lr_ratio * learning_rate`` at ``num_train_steps``."""
+    import optax
+
+    peak, warmup = t.learning_rate, max(t.warmup_steps, 0)
+    end = peak * (1.0 if t.lr_schedule == "constant" else t.min_lr_ratio)
+    decay_steps = max(t.num_train_steps - warmup, 1)
+    if t.lr_schedule == "cosine":
+        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=t.min_lr_ratio)
+    else:  # linear, or constant (end == peak)
+        decay = optax.linear_schedule(peak, end, decay_steps)
+    if warmup == 0:
+        return decay
+    return optax.join_schedules(
+        [optax.linear_schedule(peak / warmup, peak, warmup), decay], boundaries=[warmup]
+    )
+
+
+def make_optimizer(t: TrainerConfig) -> Any:
+    """AdamW on :func:`make_schedule`, after global-norm clipping (if ``max_grad_norm > 0``)."""
+    import optax
+
+    parts = []
+    if t.max_grad_norm > 0:
+        parts.append(optax.clip_by_global_norm(t.max_grad_norm))
+    parts.append(
+        optax.adamw(make_schedule(t), b1=0.9, b2=0.99, eps=t.adam_eps, weight_decay=t.weight_decay)
+    )
+    return optax.chain(*parts)
+
+
+def _metric(name: str, value: Any) -> Any:
+    """A loss metric as a levanter ``Metric``, reduced over micro-batches by its name: summed for
+    ``num_*``/``total_*``/``*_count``/``*_total``/``*_sum``, max/min for ``*_max``/``*_min``,
+    averaged otherwise (levanter's rules, without its message for every other name)."""
+    from levanter.metrics import Metric, ReductionType
+
+    if isinstance(value, Metric):
+        return value
+    lower = name.lower()
+    if lower.startswith(("num_", "total_")) or lower.endswith(("_count", "_total", "_sum")):
+        reduction = ReductionType.SUM
+    elif lower.endswith("_max") or lower.startswith("max_"):
+        reduction = ReductionType.MAX
+    elif lower.endswith("_min") or lower.startswith("min_"):
+        reduction = ReductionType.MIN
+    else:
+        reduction = ReductionType.MEAN
+    return Metric.from_value(value, reduction)
+
+
+def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        loss, metrics = loss_fn(*args, **kwargs)
+        return loss, {k: _metric(k, v) for k, v in metrics.items()}
+
+    return wrapped
+
+
+class _StepJit:
+    """levanter's train step (``Trainer._train_step``) compiled with ``eqx.filter_jit`` instead
+    of haliax's ``named_jit``, called like levanter calls its ``_jit_train_step_fn``.
+
+    ``named_jit`` works out the output shardings on every call: it flattens and hashes the whole
+    train state and evaluates the step's output shapes, ~8 ms of Python per step on the default
+    task (a quarter of the step on CPU). It needs none of that here: the step already constrains
+    its result to the parameter sharding (``hax.shard_with_axis_mapping`` at its end) and its
+    inputs arrive sharded, so XLA keeps the same layouts without being told. The state is
+    donated, as levanter's ``donate_args=(True,)`` does. ``tests/test_sharding.py`` checks the
+    result and the parameters' sharding on four devices against one."""
+
+    def __init__(self, step: Callable[..., Any], axis_mapping: Any):
+        import equinox as eqx
+        import haliax as hax
+
+        def body(inputs: tuple[Any, Any], state: Any) -> Any:
+            with hax.axis_mapping(axis_mapping):
+                return step(state, *inputs)
+
+        # Donate every argument but the first: the state, not the batch.
+        self._jit = eqx.filter_jit(body, donate="all-except-first")
+
+    def __call__(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
+        return self._jit((batch, batch_kwargs), state)
+
+    def lower(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
+        """JAX's ``Lowered`` step (``.compile().memory_analysis()``, ``.as_text()``)."""
+        return self._jit.lower((batch, batch_kwargs), state).lowered
+
+
+def plugin_loss_fn(module: Any) -> Callable[..., Any]:
+    """A loss plugin's loss function, made inside the traced step from the reference model the
+    step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
+    frozen model. ``create_loss_fn`` is cheap and pure (the protocol says so); the structure it
+    is given as ``train_model`` is the policy being trained."""
+
+    def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
+        return module.create_loss_fn(reference, model)(model, batch, key=key)
+
+    return loss_fn
+
+
+def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
+    """A ``levanter.trainer.Trainer`` whose train step is a :class:`_StepJit`."""
+    import functools
+
+    import levanter.trainer
+
+    trainer = levanter.trainer.Trainer(*args, **kwargs)
+    # levanter builds these lazily (cached properties); set them first. With hooks due (the
+    # gradient-norm watch runs every step) levanter calls the first, else the second.
+    trainer.__dict__["_jit_train_step_fn"] = _StepJit(
+        trainer._train_step, trainer.parameter_axis_mapping
+    )
+    trainer.__dict__["_jit_train_step_fn_no_hook"] = _StepJit(
+        functools.partial(trainer._train_step, _no_hooks=True), trainer.parameter_axis_mapping
+    )
+    return trainer
+
+
+class _CaptureTracker:
+    """A levanter tracker that keeps the metrics levanter's train step logs, for our own rows."""
+
+    name = "marinrl-capture"
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Any] = {}
+
+    def init(self, run_id: str | None) -> _CaptureTracker:  # levanter's TrackerConfig API
+        return self
+
+    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
+        pass
+
+    def log(self, metrics: Any, *, step: int | None, commit: bool | None = None) -> None:
+        self.latest.update(metrics)
+
+    def log_summary(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def log_artifact(
+        self, artifact_path: Any, *, name: str | None = None, type: str | None = None
+    ) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def mesh_sizes(
+    mesh: MeshConfig, n_devices: int, batch_size: int, microbatch_size: int = 0
+) -> dict[str, int]:
+    """``{"data_parallel", "fsdp", "tensor_parallel", "batch_shards"}`` of ``mesh`` on
+    ``n_devices``; raises :class:`~marin_rl_core.errors.ConfigError` for a layout that does not
+    fit (the message says what would)."""
+    tp = mesh.tensor_parallel
+    dp = n_devices // tp if mesh.data_parallel == -1 else mesh.data_parallel
+    if dp < 1 or n_devices % (dp * tp):
+        raise ConfigError(
+            f"$.trainer.mesh: the trainer has {n_devices} device(s), which cannot be split into "
+            f"data_parallel={mesh.data_parallel} x tensor_parallel={tp} groups; choose sizes whose "
+            f"product divides {n_devices}"
+        )
+    fsdp = n_devices // (dp * tp)
+    shards = dp * fsdp
+    rows = microbatch_size or batch_size
+    if rows % shards:
+        what = "microbatch_size" if microbatch_size else "batch_size"
+        raise ConfigError(
+            f"$.trainer.{what}: {rows} rows cannot be split evenly over the {shards} data shards "
+            f"of the trainer's {n_devices} device(s) (data_parallel={dp} x fsdp={fsdp}); use a "
+            f"multiple of {shards}"
+        )
+    return {"data_parallel": dp, "fsdp": fsdp, "tensor_parallel": tp, "batch_shards": shards}
+
+
+class Learner:
+    """levanter's :class:`levanter.trainer.Trainer`, set up from marinrl's ``[trainer]`` config and
+    stepped one batch at a time (the RL loop, not levanter's data loader, decides when).
+
+    It brings levanter's device mesh and axis mappings (``trainer.mesh``: replicas x FSDP x
+    tensor parallel over every device this process sees), sharded parameters and optimizer state
+    (``TrainerState``), the mixed-precision policy (``trainer.precision``), gradient accumulation
+    over micro-batches (``trainer.microbatch_size``) and levanter's gradient-norm watch.
+
+    The mesh exists from construction (:meth:`shard` places a reference model on it); the loss
+    comes after (:meth:`set_loss`), since a KL loss is built from that sharded reference.
+
+    Args:
+        config: the ``[trainer]`` section.
+        hf_checkpoint: whether the model comes from a Hugging Face checkpoint (``precision =
+            "auto"`` is then bf16 compute).
+        run_id: levanter's run id (names nothing on disk here).
+    """
+
+    def __init__(
+        self, config: TrainerConfig, *, hf_checkpoint: bool = False, run_id: str = "marinrl"
+    ):
+        import haliax as hax
+        import jax
+        import levanter.trainer
+
+        from marin_rl_core.models.packing import BATCH
+
+        sizes = mesh_sizes(
+            config.mesh, jax.device_count(), config.batch_size, config.microbatch_size
+        )
+        self.sizes = sizes
+        self.tracker = _CaptureTracker()
+        micro = config.microbatch_size
+        self.levanter_config = levanter.trainer.TrainerConfig(
+            mp=config.mp_policy(hf_checkpoint=hf_checkpoint),
+            tracker=self.tracker,  # type: ignore[arg-type]
+            id=run_id,
+            batch_axis=BATCH,
+            fsdp_axis=config.mesh.fsdp_axis,
+            tensor_parallel_axes=list(config.mesh.tensor_parallel_axes),
+            replica_ici_axis_size=sizes["data_parallel"],
+            model_axis_size=sizes["tensor_parallel"],
+            train_batch_size=config.batch_size,
+            per_device_parallelism=(micro or config.batch_size) // sizes["batch_shards"],
+            num_train_steps=config.num_train_steps,
+            crash_on_nan=False,
+            crash_on_inf=False,
+            log_jaxprs=False,
+            log_xla_hlo=False,
+            require_accelerator=False,
+        )
+        self.mesh = self.levanter_config.device_mesh
+        self.parameter_axis_mapping = self.levanter_config.parameter_axis_mapping
+        # FSDP splits the parameters, the LM head among them, over devices: log-probabilities
+        # are then computed vocabulary-parallel (model.next_token_logprobs_and_entropy).
+        with hax.partitioning.set_mesh(self.mesh):
+            self._lm_head_split = any(
+                (hax.partitioning.physical_axis_size(name, self.parameter_axis_mapping) or 1) > 1
+                for name in ("embed", "vocab")
+            )
+        self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
+        self.optimizer = make_optimizer(config)
+        self.trainer: Any = None
+        self._frozen: dict[str, Any] = {}
+
+    def set_loss(self, loss_fn: Callable[..., Any], *, reference: Any = None) -> None:
+        """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` from now on.
+
+        With a ``reference`` (a frozen model placed by :meth:`shard`), every step calls
+        ``loss_fn(model, batch, *, key, reference=reference)``: the reference enters the compiled
+        step as a sharded argument. A loss function that closed over it instead would compile
+        all of its weights into the step as constants (gigabytes for a real model, in every
+        compiled shape and in the compile cache's key, beside the sharded copy)."""
+        from levanter.callbacks.watch import WatchCallback
+
+        self._frozen = {} if reference is None else {"reference": reference}
+        self.trainer = _levanter_trainer(
+            self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
+        )
+        # The global gradient norm (before clipping), as levanter's watch computes it.
+        self.trainer.add_hook(
+            WatchCallback(
+                watch_targets=["grads"], include_norms=True, include_per_parameter_norms=False
+            ),
+            every=1,
+        )
+
+    def _trainer(self) -> Any:
+        if self.trainer is None:
+            raise RuntimeError("Learner.set_loss must be called before the first step")
+        return self.trainer
+
+    @property
+    def mp(self) -> Any:
+        return self.levanter_config.mp
+
+    @contextlib.contextmanager
+    def _context(self) -> Iterator[None]:
+        import haliax as hax
+        import levanter
+
+        from marin_rl_core.models.logprobs import lm_head_split
+
+        with (
+            levanter.current_tracker(self.tracker),  # type: ignore[arg-type]
+            hax.partitioning.set_mesh(self.mesh),
+            hax.axis_mapping(self.parameter_axis_mapping),
+            lm_head_split(self._lm_head_split),
+            warnings.catch_warnings(),
+        ):
+            # Donation is best effort: XLA keeps a buffer it cannot alias, and says so each time.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            yield
+
+    def shard(self, tree: Any) -> Any:
+        """``tree`` placed on the mesh with the parameter sharding (e.g. a reference model)."""
+        import haliax as hax
+
+        with self._context():
+            return hax.shard(tree, self.parameter_axis_mapping)
+
+    def init_state(self, model: Any, *, key: Any) -> Any:
+        """A fresh, sharded ``TrainerState`` (step 0) of ``model``."""
+        with self._context():
+            return self._trainer().initial_state(key, model=model)
+
+    def state_shapes(self, model: Any, *, key: Any) -> Any:
+        """The shapes and dtypes of :meth:`init_state`'s state, computed without making it (what
+        :meth:`restore` needs to read a checkpoint into)."""
+        import equinox as eqx
+
+        trainer = self._trainer()
+        with self._context():
+            return eqx.filter_eval_shape(lambda m, k: trainer.initial_state(k, model=m), model, key)
+
+    def restore(self, checkpoint: str | Path, like: Any) -> Any:
+        """``like`` (a ``TrainerState``) with a checkpoint's values, sharded over this mesh."""
+        from marin_rl_core.learner.checkpoint import load_trainer_state
+
+        # levanter notes every empty slot of the state (no model averaging: None) as an
+        # "Unknown leaf type": checkpoint.py's filter drops those lines.
+        with self._context():
+            return load_trainer_state(
+                checkpoint,
+                like,
+                axis_mapping=self.parameter_axis_mapping,
+                mesh=self.mesh,
+            )
+
+    def peak_memory_bytes(self, state: Any, batch: Any) -> int:
+        """XLA's peak memory estimate of one compiled step on ``(state, batch)``: temporaries,
+        arguments and outputs, per device (for ``bench/step_time.py``)."""
+        with self._context():
+            stats = self._lower(state, batch).compile().memory_analysis()
+        return int(
+            stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+        )
+
+    def constant_bytes(self, state: Any, batch: Any) -> list[int]:
+        """The size in bytes of every constant in the lowered step on ``(state, batch)``,
+        largest first. Frozen models enter the step as arguments, so these stay small
+        (scalars, iotas); a model closed over by the loss would show up here whole."""
+        import re
+
+        with self._context():
+            text = self._lower(state, batch).as_text()
+        sizes = []
+        for match in re.finditer(r"stablehlo\.constant dense[^\n]*?: tensor<([^>]*)>", text):
+            *dims, dtype = match.group(1).split("x")
+            bits = int(re.sub(r"\D", "", dtype) or 32)
+            sizes.append(math.prod(int(d) for d in dims) * max(bits // 8, 1))
+        return sorted(sizes, reverse=True)
+
+    def warm_up(self, state: Any, batch: Any) -> None:
+        """Trace and lower the step for ``(state, batch)``'s shapes, so that a first
+        :meth:`step` on a batch of these shapes finds its jaxpr and MLIR already made and only
+        compiles (or loads from the compilation cache). Runs nothing, donates nothing, and
+        compiles nothing that a batch of other shapes would leave unused."""
+        with self._context():
+            self._lower(state, batch)
+
+    def _lower(self, state: Any, batch: Any) -> Any:
+        """JAX's ``Lowered`` train step for ``(state, batch)`` (inside :meth:`_context`)."""
+        import haliax as hax
+
+        batch = hax.shard(batch, self.compute_axis_mapping)
+        # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
+        return self._trainer()._jit_train_step_fn.lower(state, (batch,), self._frozen)
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
+        """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""
+        import haliax as hax
+
+        with self._context():
+            batch = hax.shard(batch, self.compute_axis_mapping)
+            self.tracker.latest.clear()
+            info = self._trainer().train_step(state, batch, **self._frozen)
+            metrics: dict[str, float] = {}
+            for name, value in self.tracker.latest.items():
+                if name.startswith("train/"):
+                    metrics[name.removeprefix("train/")] = float(np.asarray(value))
+                elif name == "grad/norm/total":
+                    metrics["grad_norm"] = float(np.asarray(value))
+        return info.state, float(info.loss), metrics

@@ -1,0 +1,204 @@
+"""An episode's state while it runs (:class:`Live`), its result, the ways it fails, the
+single-turn adapter (:func:`as_multi_turn`), and the token bookkeeping of each turn: an action's
+tokens kept as sampled (:func:`take_action`), an observation's tokens appended after them or a new
+part started (:func:`observe`), a part closed into a :class:`~marin_rl_core.types.Rollout`
+(:func:`close_part`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import numpy as np
+
+from marin_rl_core.protocols import Env, Episode, MultiTurnEnv
+from marin_rl_core.types import Action, Problem, Rollout, Step, as_score
+
+# --- the single-turn adapter ----------------------------------------------------------------------
+
+
+class _ScoredEpisode:
+    """One step: score the action with the wrapped env's ``score``, and end."""
+
+    def __init__(self, env: Env, problem: Problem):
+        self._env, self._problem = env, problem
+
+    def step(self, action: Action) -> Step:
+        score = as_score(self._env.score(self._problem, action.text))
+        return Step(reward=score.reward, done=True, metrics=score.metrics)
+
+
+@attrs.frozen
+class SingleTurnEpisodes:
+    """A single-turn :class:`~marin_rl_core.protocols.Env` as a
+    :class:`~marin_rl_core.protocols.MultiTurnEnv`; see :func:`as_multi_turn`."""
+
+    env: Env
+    single_turn = True  # the runner samples such a batch in one generate call
+
+    def sample_problems(self, n: int, *, mode: Any, seed: int) -> list[Problem]:
+        return self.env.sample_problems(n, mode=mode, seed=seed)
+
+    def reset(self, problem: Problem) -> Episode:
+        return _ScoredEpisode(self.env, problem)
+
+
+def as_multi_turn(env: Env | MultiTurnEnv) -> MultiTurnEnv:
+    """``env`` as a multi-turn env: itself if it has ``reset``, else a one-step episode per
+    problem whose step calls ``env.score``. The rollout side applies it to every env; it is
+    public for tests and for code that drives envs itself."""
+    if callable(getattr(env, "reset", None)):
+        return env  # type: ignore[return-value]
+    if not callable(getattr(env, "score", None)):
+        raise TypeError(
+            f"{type(env).__name__} has neither score() (a single-turn env) nor reset() (a "
+            "multi-turn env); implement one of them"
+        )
+    return SingleTurnEpisodes(env)  # type: ignore[arg-type]
+
+
+# --- limits and results ---------------------------------------------------------------------------
+
+
+class EpisodeFailure(Exception):
+    """An episode that cannot be trained on: ``kind`` is ``"error"`` or ``"timeout"``."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class BatchCancelled(Exception):
+    """The batch was cancelled (:meth:`EpisodeRunner.cancel`): its worker is stopping."""
+
+
+@attrs.define
+class EpisodeResult:
+    """What one episode produced.
+
+    Args:
+        rollouts: its training samples (one unless a chat template forced a split), without
+            metadata; empty when the episode failed.
+        failure: ``None``, or why the episode failed.
+        metrics: the last step's metrics.
+        turns: actions taken.
+        env_seconds: time spent in env calls (``reset`` and ``step``).
+        env_step_seconds: time spent in ``step`` calls.
+        env_calls: ``step`` calls.
+    """
+
+    rollouts: list[Rollout] = attrs.field(factory=list)
+    failure: EpisodeFailure | None = None
+    metrics: dict[str, float] = attrs.field(factory=dict)
+    turns: int = 0
+    env_seconds: float = 0.0
+    env_step_seconds: float = 0.0
+    env_calls: int = 0
+
+
+@attrs.define(eq=False)
+class Live:
+    """The state of one running episode."""
+
+    index: int  # problem_index * n + k
+    problem: Problem
+    episode: Any = None
+    tokens: list[int] = attrs.field(factory=list)
+    mask: list[bool] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    turn_starts: list[int] = attrs.field(factory=list)
+    turn_rewards: list[float] = attrs.field(factory=list)
+    messages: list[dict[str, str]] = attrs.field(factory=list)
+    turn: int = 0
+    truncated: bool = False
+    deadline: float = float("inf")
+    result: EpisodeResult = attrs.field(factory=EpisodeResult)
+
+
+def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> Action:
+    """Append a sampled action's tokens to the episode; the action as the env sees it."""
+    tokens = [int(t) for t in sample.tokens]
+    if not tokens:
+        raise EpisodeFailure("error", "the sampler returned an empty action")
+    live.turn_starts.append(len(live.tokens))
+    live.tokens.extend(tokens)
+    live.mask.extend([True] * len(tokens))
+    live.logprobs.extend(float(x) for x in sample.logprobs)
+    live.turn += 1
+    truncated = not sample.stopped
+    live.truncated = truncated
+    text = tokenizer.decode([t for t in tokens if t not in stop_set])
+    live.messages.append({"role": "assistant", "content": text})
+    return Action(text=text, token_ids=tuple(tokens), truncated=truncated, turn=live.turn - 1)
+
+
+def observe(
+    live: Live, step: Step, *, tokenizer: Any, chat: bool, env_name: str, lesson_id: str
+) -> None:
+    """Append the observation's tokens (or start a new part where the template would
+    rewrite the past)."""
+    observation = step.observation
+    if not chat:
+        if not isinstance(observation, str):  # no template: the messages' text, in order
+            observation = "".join(m["content"] for m in observation)
+        new = tokenizer.encode(observation) if observation else []
+    else:
+        messages = (
+            [{"role": "user", "content": observation}]
+            if isinstance(observation, str)
+            else [dict(m) for m in observation]
+        )
+        live.messages.extend(messages)
+        rendered = tokenizer.encode_chat(live.messages)
+        if rendered[: len(live.tokens)] != live.tokens:
+            # The template changes what came before: go on in a new training sample.
+            close_part(live, env_name=env_name, lesson_id=lesson_id)
+            live.tokens = list(rendered)
+            live.mask = [False] * len(rendered)
+            live.logprobs = [0.0] * len(rendered)
+            live.turn_starts, live.turn_rewards = [], []
+            return
+        new = rendered[len(live.tokens) :]
+    live.tokens.extend(int(t) for t in new)
+    live.mask.extend([False] * len(new))
+    live.logprobs.extend([0.0] * len(new))
+
+
+def close_part(live: Live, *, env_name: str, lesson_id: str, reward: float = 0.0) -> None:
+    """Turn what the episode has gathered since its last part into a :class:`Rollout`
+    (``reward``: the episode's, when this is its last part; earlier parts get it later)."""
+    if not live.turn_starts:
+        return
+    rollout = Rollout(
+        env_name=env_name,
+        lesson_id=lesson_id,
+        problem_id=live.problem.id,
+        tokens=live.tokens,
+        loss_mask=live.mask,
+        logprobs=live.logprobs,
+        reward=reward,
+        turn_starts=live.turn_starts,
+        turn_rewards=live.turn_rewards[: len(live.turn_starts)],
+        part=len(live.result.rollouts),
+        truncated=live.truncated,
+    )
+    live.result.rollouts.append(rollout)
+
+
+def episode_reward(result: EpisodeResult) -> float:
+    """The sum of the turn rewards over all parts of an episode."""
+    return float(sum(float(np.sum(r.turn_rewards)) for r in result.rollouts))
+
+
+__all__ = [
+    "BatchCancelled",
+    "EpisodeFailure",
+    "EpisodeResult",
+    "Live",
+    "SingleTurnEpisodes",
+    "as_multi_turn",
+    "close_part",
+    "episode_reward",
+    "observe",
+    "take_action",
+]
