@@ -137,16 +137,22 @@ def test_response_logprobs_of_a_batch(model, tok):
         np.testing.assert_allclose(got, want, atol=1e-5)
 
 
-def test_logprobs_block_by_block_match_plain_autodiff_in_values_and_gradients(model, tok):
+def test_logprobs_and_entropy_block_by_block_match_plain_autodiff_in_values_and_gradients(
+    model, tok
+):
     rows = ids_of([tok.encode("12+7=19", add_bos=True), tok.encode("3*4=12", add_bos=True)])
     temperature = hax.named(jnp.asarray([1.0, 0.7]), ("batch",))
-    weights = jnp.asarray(np.random.default_rng(0).normal(size=rows.array.shape), jnp.float32)
+    rng = np.random.default_rng(0)
+    weights = jnp.asarray(rng.normal(size=rows.array.shape), jnp.float32)
+    # An entropy bonus in the objective: its gradient must reach the model too.
+    entropy_weights = jnp.asarray(rng.normal(size=rows.array.shape), jnp.float32)
 
     def ours(m, block_tokens):
         logprobs, entropy = next_token_logprobs_and_entropy(
             m, rows, temperature=temperature, block_tokens=block_tokens
         )
-        return jnp.sum(logprobs.array * weights), (logprobs, entropy)
+        objective = jnp.sum(logprobs.array * weights) + jnp.sum(entropy.array * entropy_weights)
+        return objective, (logprobs, entropy)
 
     def plain(m):  # the textbook computation, differentiated by JAX
         logits = m(rows, attn_mask=AttentionMask.causal()).array / temperature.array[:, None, None]
@@ -155,7 +161,7 @@ def test_logprobs_block_by_block_match_plain_autodiff_in_values_and_gradients(mo
         logprobs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
         logprobs = logprobs.at[:, -1].set(0.0)
         entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1).at[:, -1].set(0.0)
-        return jnp.sum(logprobs * weights), (logprobs, entropy)
+        return jnp.sum(logprobs * weights) + jnp.sum(entropy * entropy_weights), (logprobs, entropy)
 
     grad = eqx.filter_jit(eqx.filter_value_and_grad(ours, has_aux=True))
     (_, (lp_plain, ent_plain)), g_plain = eqx.filter_jit(

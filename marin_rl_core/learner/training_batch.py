@@ -211,7 +211,8 @@ def batch_logprobs_and_entropy(
     model: Any, batch: TrainingBatch, *, key: Any = None
 ) -> tuple[NamedArray, NamedArray]:
     """:func:`~marin_rl_core.models.logprobs.next_token_logprobs_and_entropy` of ``batch`` at its
-    temperature, packed rows kept apart: what a loss plugin calls."""
+    temperature, packed rows kept apart: what a loss plugin calls. Both are differentiable: an
+    entropy bonus (``- coef * entropy`` in the loss) trains the policy."""
     return next_token_logprobs_and_entropy(
         model,
         batch.input_ids,

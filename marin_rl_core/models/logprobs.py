@@ -77,8 +77,8 @@ def _block_logprobs_and_entropy(
     The forward pass reduces the logits (a log-sum-exp, a gather, one weighted sum) without a
     ``[n, vocab]`` array of log-probabilities; the backward pass recomputes the logits from
     ``hidden`` and keeps nothing of size ``vocab`` between the two (as levanter's blockwise
-    cross-entropy does). The entropy is a metric: no gradient flows through it, nor into
-    ``temperature``.
+    cross-entropy does). Both outputs have gradients (an entropy bonus in a loss trains the
+    policy); none flows into ``temperature``.
 
     ``vocab_parallel``: ``(Embed, Vocab, physical axes)`` when the block is computed vocabulary
     parallel (``lm_head`` split over the vocabulary, ``hidden`` whole on every device): the LM
@@ -89,17 +89,23 @@ def _block_logprobs_and_entropy(
 
 def _block_fwd(vocab_parallel, hidden, lm_head, targets, temperature):  # type: ignore[no-untyped-def]
     out, lse = _block_forward(hidden, lm_head, targets, temperature)
-    return out, (hidden, lm_head, targets, temperature, lse)
+    return out, (hidden, lm_head, targets, temperature, lse, out[1])
 
 
 def _block_bwd(vocab_parallel, residuals, cotangents):  # type: ignore[no-untyped-def]
-    hidden, lm_head, targets, temperature, lse = residuals
-    scale = cotangents[0] / temperature  # d logprob / d logit = onehot(target) - softmax, over T
-    probs = jnp.exp(tempered_logits(hidden, lm_head, temperature) - lse[:, None])
+    hidden, lm_head, targets, temperature, lse, entropy = residuals
+    d_logprob, d_entropy = cotangents
+    log_probs = tempered_logits(hidden, lm_head, temperature) - lse[:, None]
+    probs = jnp.exp(log_probs)
     # A one-hot compare rather than a scatter: elementwise, so a batch sharded over devices
     # stays sharded (a scatter's indices would be gathered onto every device).
     onehot = jnp.arange(probs.shape[-1])[None, :] == targets[:, None]
-    d_logits = (onehot - probs) * scale[:, None]
+    # With z the tempered logits: d logprob / dz = onehot(target) - p, and for the entropy
+    # H = -sum(p log p): dH / dz = -p (log p + H). Both over T for the raw logits.
+    d_logits = (onehot - probs) * d_logprob[:, None] - probs * (
+        log_probs + entropy[:, None]
+    ) * d_entropy[:, None]
+    d_logits = d_logits / temperature[:, None]
     d_hidden = jnp.dot(d_logits, lm_head.T, preferred_element_type=jnp.float32)
     d_lm_head = jnp.dot(hidden.T, d_logits, preferred_element_type=jnp.float32)
     if vocab_parallel is not None:
