@@ -37,12 +37,8 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str:
-    parts = module.split(".")[1:]
-    if not parts:
-        return ""
-    if len(parts) == 1 and parts[0] in LAYERS:
-        return parts[0]
-    return parts[0] if len(parts) > 1 else ""
+    parts = module.split(".")[1:]  # a module at the top, unless it is a subpackage itself
+    return parts[0] if parts and (len(parts) > 1 or parts[0] in LAYERS) else ""
 
 
 def _type_checking_only(node: ast.If) -> bool:

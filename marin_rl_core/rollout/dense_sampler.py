@@ -17,7 +17,7 @@ from levanter.models.lm_model import LmHeadModel
 
 from marin_rl_core.models.logprobs import tempered_logits
 from marin_rl_core.models.packing import BATCH, POS, row_length
-from marin_rl_core.rollout.inference import Sample, _check_request, _Sampler
+from marin_rl_core.rollout.inference import Sample, Sampler, check_request
 
 
 def _bucket(n: int, *, multiple: int) -> int:
@@ -105,7 +105,7 @@ def _dense_sample(
     return tokens, logprobs, lengths
 
 
-class DenseSampler(_Sampler):
+class DenseSampler(Sampler):
     """Samples short responses with plain jitted forward passes: the prompts are right-padded
     into one ``[rows, positions]`` array and each new token costs one forward pass over it (no
     KV cache). For short generations from small models this is several times faster than the
@@ -160,7 +160,7 @@ class DenseSampler(_Sampler):
         prompt_seeds: Sequence[int] | None = None,
     ) -> list[list[Sample]]:
         """As :meth:`SamplingEngine.generate`."""
-        stops = _check_request(
+        stops = check_request(
             prompts, n, stop_tokens, prompt_seeds,
             eos_id=self.eos_id, max_seqs=self.max_seqs, max_stop_tokens=self.max_stop_tokens,
             max_seq_len=self.max_seq_len,

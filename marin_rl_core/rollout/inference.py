@@ -74,7 +74,7 @@ def _check_same_shapes(old: LmHeadModel, new: LmHeadModel) -> None:
         )
 
 
-def _check_request(
+def check_request(
     prompts: Sequence[Sequence[int]],
     n: int,
     stop_tokens: Sequence[int],
@@ -105,7 +105,7 @@ def _check_request(
     return stops
 
 
-class _Sampler:
+class Sampler:
     """What both samplers share: the model in the engine's dtype, sharded over an optional mesh,
     and weight swaps that must keep the architecture."""
 
@@ -157,7 +157,7 @@ class _Sampler:
         self._model = model
 
 
-class SamplingEngine(_Sampler):
+class SamplingEngine(Sampler):
     """Generates ``n`` samples per prompt from a levanter LM, reusable across weight updates.
 
     Args:
@@ -257,7 +257,7 @@ class SamplingEngine(_Sampler):
         Returns:
             ``result[i][k]`` is the ``k``-th sample for ``prompts[i]``.
         """
-        stops = _check_request(
+        stops = check_request(
             prompts, n, stop_tokens, prompt_seeds,
             eos_id=self.eos_id, max_seqs=self._config.max_seqs,
             max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
