@@ -129,12 +129,13 @@ def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
     assert caplog.text.count("writing rollouts to storage failed") == 1, "logged once a minute"
 
 
-@pytest.mark.parametrize("trainer", ["busy", "starved", "gone"])
+@pytest.mark.parametrize("trainer", ["busy", "starved", "dropped", "gone"])
 def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer, monkeypatch):
     """A worker that has made its share for its weights waits for newer ones while the trainer
-    trains (a first step compiling takes long; what it made meanwhile would be stale), goes on
-    once the trainer says it has waited with no rollouts arriving (it lost some it counted on),
-    and without an answer from the trainer goes on after the plain bound (2 s)."""
+    trains (a first step compiling takes long; what it made meanwhile would be stale), generates
+    again at once what the trainer dropped unused (so it stays a step ahead after a checkpoint),
+    goes on once the trainer says it has waited with no rollouts arriving (it lost some it
+    counted on), and without an answer from the trainer goes on after the plain bound (2 s)."""
     from marin_rl_core.rollout import worker as rollout_worker
 
     monkeypatch.setattr(rollout_worker, "STARVED_S", 0.2)
@@ -149,19 +150,24 @@ def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer
     assert worker._ahead()
     asked = []
 
-    def starved() -> float:
+    def ask_trainer() -> tuple[float, int]:
         asked.append(time.monotonic())
         if trainer == "gone":
             raise ConnectionError("the trainer's actor died")
-        return 0.0 if trainer == "busy" else 5.0
+        if trainer == "dropped":
+            return 0.0, config.trainer.batch_size // 2
+        return (0.0 if trainer == "busy" else 5.0), 0
 
-    worker.trainer_starved = starved
+    worker.ask_trainer = ask_trainer
     waited = worker._wait_until_not_ahead()
     if trainer == "busy":
         assert 3.0 <= waited < 5.0, "a busy trainer is waited for, up to the limit"
         assert len(asked) > 10
     elif trainer == "starved":
-        assert 0.2 <= waited < 1.5 and len(asked) == 1
+        assert 0.2 <= waited < 1.5 and len(asked) == 2
+    elif trainer == "dropped":
+        assert waited < 0.2 and len(asked) == 1, "what was dropped is generated again at once"
+        assert not worker._ahead()
     else:
         assert 2.0 <= waited < 3.0 and len(asked) == 1, "no answer: the plain 2 s bound"
 

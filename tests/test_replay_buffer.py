@@ -56,6 +56,7 @@ def rollout(
     n_prompt: int = 2,
     n_response: int = 3,
     truncated: bool = False,
+    worker: str = "w",
 ) -> Rollout:
     return Rollout.single_turn(
         env_name=env,
@@ -66,7 +67,7 @@ def rollout(
         response_logprobs=np.full(n_response, -1.0),
         reward=reward,
         truncated=truncated,
-        metadata=RolloutMetadata(worker_id="w", timestamp=NOW - age, weight_step=step),
+        metadata=RolloutMetadata(worker_id=worker, timestamp=NOW - age, weight_step=step),
     )
 
 
@@ -149,6 +150,24 @@ def test_rollouts_without_metadata_are_refused_and_nothing_is_added():
     with pytest.raises(ValueError, match="problem 'p7'.* has no metadata.*RolloutMetadata"):
         buffer.add_batches([good, batch(group(rollout("ok2"), bare))], current_step=0)
     assert len(buffer) == 0
+
+
+def test_rollouts_dropped_before_any_use_are_counted_for_the_worker_that_made_them():
+    """A paced rollout worker asks for this count and generates those rollouts again."""
+    buffer = make_buffer(max_rollout_step_delay=1, capacity=3)
+    made_by_w = [rollout("w0", 1.0, step=0), rollout("w1", 0.0, step=0)]
+    buffer.add_batches([batch(group(*made_by_w))], current_step=0)
+    buffer.sample(1)  # one of the two is trained on
+    other = rollout("x", step=2, worker="x")
+    buffer.add_batches([batch(group(rollout("late", step=0), other))], current_step=2)
+    # At step 2 the step-0 rollouts are stale: the unused one and "late" (stale on arrival)
+    # count, the used one does not, and nothing of worker "x" was dropped.
+    assert buffer.unused_dropped("w") == 2
+    assert buffer.unused_dropped("x") == 0
+    for k in range(4):  # capacity 3: evicting unused rollouts counts too (the oldest: x, e0)
+        buffer.add_batches([batch(group(rollout(f"e{k}", step=2)))], current_step=2)
+    assert held_ids(buffer) == ["e1", "e2", "e3"]
+    assert (buffer.unused_dropped("w"), buffer.unused_dropped("x")) == (2 + 1, 1)
 
 
 def test_capacity_evicts_the_oldest_rollouts():

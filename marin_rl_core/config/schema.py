@@ -242,8 +242,10 @@ class ReplayBufferConfig:
             ``max_rollout_step_delay`` steps ahead of the newest weights they have (further
             ahead, what they made would be stale on arrival); a worker that is that far ahead
             waits for newer weights (``rollout/paced_seconds``), or until the trainer says it
-            is short of rollouts. A worker slower than the trainer never waits. 0: no pacing (workers generate as fast as they can; the
-            surplus is dropped as stale or feeds dynamic sampling).
+            is short of rollouts. Rollouts the trainer dropped unused (stale, evicted) are
+            generated again. A worker slower than the trainer never waits. 0: no pacing
+            (workers generate as fast as they can; the surplus is dropped as stale or feeds
+            dynamic sampling).
         env_token_fractions: each env's share of a training batch's tokens, when rollouts of
             several envs wait (``{math = 0.7, guess = 0.3}``); envs not named share what is
             left. Batches are filled round robin by token deficit: the env furthest below its

@@ -247,10 +247,10 @@ class TrainerService(_SetUpError):
         self._check()
         return self.trainer.diagnostics()
 
-    def starved_seconds(self) -> float:
-        """See :meth:`marin_rl_core.learner.trainer.Trainer.starved_seconds` (paced workers ask)."""
+    def pacing_feedback(self, worker_id: str) -> tuple[float, int]:
+        """See :meth:`marin_rl_core.learner.trainer.Trainer.pacing_feedback` (paced workers ask)."""
         self._check()
-        return self.trainer.starved_seconds()
+        return self.trainer.pacing_feedback(worker_id)
 
     def run(self) -> int:
         self._check()
@@ -337,8 +337,9 @@ class RolloutService(_SetUpError):
         if trainer is not None:
             import ray
 
-            self.worker.trainer_starved = lambda: float(
-                ray.get(trainer.starved_seconds.remote(), timeout=5.0)
+            worker_id = self.worker.worker_id
+            self.worker.ask_trainer = lambda: tuple(
+                ray.get(trainer.pacing_feedback.remote(worker_id), timeout=5.0)
             )
         self._connected = True
 

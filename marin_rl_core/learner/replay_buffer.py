@@ -110,6 +110,7 @@ class ReplayBuffer:
         self._window: dict[str, _EnvCounters] = defaultdict(_EnvCounters)
         self._accepted_total: dict[str, int] = defaultdict(int)
         self._used_total: dict[str, int] = defaultdict(int)
+        self._unused_dropped: dict[str, int] = defaultdict(int)  # by worker, see unused_dropped
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -146,7 +147,20 @@ class ReplayBuffer:
             else:
                 counters = self._window[entry.env]
                 setattr(counters, reason, getattr(counters, reason) + 1)
+                self._count_unused(entry.rollout, entry.uses)
         self._entries = kept
+
+    def _count_unused(self, rollout: Rollout, uses: int = 0) -> None:
+        if uses == 0:
+            assert rollout.metadata is not None  # add_batches refuses rollouts without it
+            self._unused_dropped[rollout.metadata.worker_id] += 1
+
+    def unused_dropped(self, worker_id: str) -> int:
+        """How many rollouts of rollout worker ``worker_id`` were dropped (stale or evicted)
+        without ever being trained on, since this buffer was made. A paced worker generates
+        them again (thread-safe; not kept in checkpoints: a restarted worker has a new id)."""
+        with self._lock:
+            return self._unused_dropped.get(worker_id, 0)
 
     # --- ingestion -----------------------------------------------------------------------------
 
@@ -195,6 +209,7 @@ class ReplayBuffer:
             reason = self._stale_reason(rollout, now)
             if reason is not None:
                 setattr(counters, reason, getattr(counters, reason) + 1)
+                self._count_unused(rollout)
                 continue
             self._entries.append(
                 _Entry(rollout=rollout, advantage=float(advantage), group=group_id)
@@ -212,6 +227,7 @@ class ReplayBuffer:
         if excess > 0:
             for entry in self._entries[:excess]:
                 self._window[entry.env].evicted += 1
+                self._count_unused(entry.rollout, entry.uses)
             self._entries = self._entries[excess:]
 
     # --- checkpoints ---------------------------------------------------------------------------

@@ -123,9 +123,11 @@ class RolloutWorker:
         self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
         self._last_weights_at: float | None = None
         self._pacing_timeout_logged = False
-        self.trainer_starved: Callable[[], float] | None = None
-        """Seconds the trainer has been waiting for rollouts with none arriving (set by the job;
-        see :meth:`_wait_until_not_ahead`)."""
+        self.ask_trainer: Callable[[], tuple[float, int]] | None = None
+        """The trainer's answer to a paced worker (set by the job; see
+        :meth:`_wait_until_not_ahead`): seconds it has waited for rollouts with none arriving,
+        and how many of this worker's rollouts it dropped without training on them."""
+        self._dropped_seen = 0  # of those, the ones already generated again
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -236,9 +238,12 @@ class RolloutWorker:
         """Wait (watching for a stop) until newer weights let this worker go on; returns the
         seconds waited.
 
-        A trainer can be short of rollouts it was counted on for (dropped, filtered, evicted)
-        and then publishes no newer weights: the worker goes on once the trainer says it has
-        waited ``STARVED_S`` with nothing arriving (``trainer_starved``). A trainer that is busy
+        The trainer can drop rollouts this worker was counted for (stale after a checkpoint or
+        an eval held the trainer up, or evicted): before waiting, the worker asks
+        (``ask_trainer``) and generates as many again, so it stays ahead of the trainer instead
+        of falling a step behind for the rest of the run. A trainer short of rollouts for
+        another reason (filtered) publishes no newer weights: the worker goes on once the
+        trainer says it has waited ``STARVED_S`` with nothing arriving. A trainer that is busy
         (its first step compiling, a checkpoint) is waited for. Without an answer from the
         trainer (no job around it, or the trainer is gone) the wait ends after four typical
         intervals between weight updates (at least 2 s); with one, after ``PACED_LIMIT_S`` or
@@ -246,23 +251,29 @@ class RolloutWorker:
         start = time.monotonic()
         fallback = max(2.0, 4 * self._weight_interval)
         limit = max(PACED_LIMIT_S, 4 * self._weight_interval)
-        asked = 0.0
+        asked = None
         while self._ahead() and not self._stop.is_set():
             if self.sync_weights():
                 continue
             now = time.monotonic()
             waited = now - start
-            if self.trainer_starved is not None and waited >= STARVED_S and now - asked >= 0.1:
+            if self.ask_trainer is not None and (
+                asked is None or (waited >= STARVED_S and now - asked >= 0.1)
+            ):
                 asked = now
                 try:
-                    starved = self.trainer_starved()
+                    starved, dropped = self.ask_trainer()
                 except Exception:  # noqa: BLE001 - no answer: fall back to the plain bound
-                    self.trainer_starved = None
-                    starved = 0.0
-                if starved >= STARVED_S:
+                    self.ask_trainer = None
+                    continue
+                if dropped > self._dropped_seen:
+                    self._usable -= dropped - self._dropped_seen
+                    self._dropped_seen = dropped
+                    continue
+                if starved >= STARVED_S and waited >= STARVED_S:  # its last batch has arrived
                     self._log_pacing_once("the trainer is short of rollouts")
                     break
-            bound = limit if self.trainer_starved is not None else fallback
+            bound = limit if self.ask_trainer is not None else fallback
             if waited > bound:
                 self._log_pacing_once(f"no newer weights for {bound:.1f} s")
                 break
