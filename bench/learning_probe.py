@@ -55,7 +55,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kl-coef", type=float, default=0.01)
     p.add_argument("--normalize-std", action="store_true")
     p.add_argument(
-        "--updates-per-batch", type=int, default=1,
+        "--updates-per-batch",
+        type=int,
+        default=1,
         help="optimizer steps on each batch (>1 reuses rollouts off-policy; the ratio is clipped)",
     )
     p.add_argument("--eval-every", type=int, default=25)
@@ -76,6 +78,7 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
     from marin_rl_core import Rollout, RolloutGroup
     from marin_rl_core.config import ModelConfig, TrainerConfig
+    from marin_rl_core.learner.loss import step_loss
     from marin_rl_core.learner.step import make_optimizer
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
@@ -111,7 +114,9 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     eval_prompts = [tok.encode(p.prompt, add_bos=True) for p in eval_problems]
 
     loss_module = RLOOLoss(
-        RLOOConfig(kl_coef=args.kl_coef, clip_epsilon=args.clip_epsilon, normalize_std=args.normalize_std)
+        RLOOConfig(
+            kl_coef=args.kl_coef, clip_epsilon=args.clip_epsilon, normalize_std=args.normalize_std
+        )
     )
     reference = model if loss_module.needs_reference_model else None
     loss_fn = loss_module.create_loss_fn(reference, model)
@@ -131,9 +136,11 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     @eqx.filter_jit
     def train_step(model, opt_state, batch, key):
         (loss, metrics), grads = eqx.filter_value_and_grad(
-            lambda m: loss_fn(m, batch, key=key), has_aux=True
+            lambda m: step_loss(loss_fn, m, batch, key=key), has_aux=True
         )(model)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        updates, opt_state = optimizer.update(
+            grads, opt_state, eqx.filter(model, eqx.is_inexact_array)
+        )
         return eqx.apply_updates(model, updates), opt_state, metrics
 
     def response_text(sample) -> str:
@@ -148,7 +155,9 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
         samples = engine.generate(prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens)
         correct = [float(response_text(s[0]) == p.answer) for p, s in zip(problems, samples)]
         if args.show:
-            shown = [f"{p.prompt}{tok.decode(s[0].tokens)!r}" for p, s in zip(problems[:4], samples)]
+            shown = [
+                f"{p.prompt}{tok.decode(s[0].tokens)!r}" for p, s in zip(problems[:4], samples)
+            ]
             print("    greedy: " + " | ".join(shown))
         return float(np.mean(correct))
 
@@ -172,11 +181,17 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
         step += 1
         use_lead = lead_env is not None and step <= args.lead_in_steps
         cur_env = lead_env if use_lead else env
-        problems = cur_env.sample_problems(args.n_prompts, mode="train", seed=seed * 1_000_003 + step)
+        problems = cur_env.sample_problems(
+            args.n_prompts, mode="train", seed=seed * 1_000_003 + step
+        )
         prompts = [tok.encode(p.prompt, add_bos=True) for p in problems]
         t_gen = time.perf_counter()
         samples = engine.generate(
-            prompts, n=args.n_samples, temperature=args.temperature, max_tokens=args.max_tokens, seed=step
+            prompts,
+            n=args.n_samples,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            seed=step,
         )
         timing["generate"] += time.perf_counter() - t_gen
         rollouts, advantages = [], []
@@ -240,7 +255,9 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     if args.show:
         for name, problems in (("train", train_problems), ("eval", eval_problems)):
             prompts = [tok.encode(p.prompt, add_bos=True) for p in problems]
-            samples = engine.generate(prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens)
+            samples = engine.generate(
+                prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens
+            )
             wrong = [
                 f"{p.prompt}{tok.decode(s[0].tokens)!r}"
                 for p, s in zip(problems, samples)

@@ -68,6 +68,7 @@ def main() -> None:
     from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
 
     from marin_rl_core.config import ModelConfig
+    from marin_rl_core.learner.loss import step_loss
     from marin_rl_core.learner.training_batch import padded_fraction, training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
@@ -79,7 +80,7 @@ def main() -> None:
         ModelConfig(max_seq_len=args.max_seq_len), tokenizer, key=jax.random.PRNGKey(0)
     )
     loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
-    step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, b: loss_fn(m, b)[0]))
+    step = eqx.filter_jit(eqx.filter_value_and_grad(lambda m, b: step_loss(loss_fn, m, b)[0]))
 
     results = {}
     for name, pack in (("one rollout per row", False), ("packed", True)):

@@ -92,6 +92,10 @@ class MultiTurnEnv(Protocol):
         ...
 
 
+LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sum_over_length")
+"""How a loss's per-token values become the step's loss (:mod:`marin_rl_core.learner.loss`)."""
+
+
 @runtime_checkable
 class RLLossModule(Protocol):
     """An RL objective: how a group's rewards become advantages, and the loss on a batch.
@@ -100,6 +104,10 @@ class RLLossModule(Protocol):
     the replay buffer calls ``compute_advantages`` as rollouts arrive; the trainer calls
     ``create_loss_fn`` inside its compiled step, each time that step is traced, with the
     reference model the step receives as an argument.
+
+    Optional attribute ``aggregation``: how the per-token losses become the step's loss, one of
+    :data:`LOSS_AGGREGATIONS` or ``(name, length)`` (the ``L`` of ``"sum_over_length"``, 0 for
+    ``model.max_seq_len``); ``"token_mean"`` when absent (:mod:`marin_rl_core.learner.loss`).
     """
 
     @property
@@ -109,17 +117,23 @@ class RLLossModule(Protocol):
         ...
 
     def build(self, reference_model: Any) -> RLLossModule:
-        """Prepare the module for training (e.g. initialise a value head); may return ``self``."""
+        """Prepare the module for training; may return ``self``."""
         ...
 
     def compute_advantages(self, group: RolloutGroup) -> np.ndarray:
-        """Return one float32 advantage per rollout of ``group``, in order."""
+        """Return one float32 advantage per rollout of ``group``, in order. NaN drops a rollout
+        before it reaches a batch (a group without reward variance, say); paced rollout workers
+        generate as many again."""
         ...
 
     def create_loss_fn(self, reference_model: Any, train_model: Any) -> Callable[..., Any]:
-        """Return ``loss_fn(model, batch, *, key) -> (loss, metrics)``, a pure JAX function of
-        the trainable model and a :class:`~marin_rl_core.learner.training_batch.TrainingBatch`.
-        ``train_model`` is the policy being trained, for losses that need its structure.
+        """Return ``loss_fn(model, batch, *, key) -> TokenLoss``, a pure JAX function of the
+        trainable model and a :class:`~marin_rl_core.learner.training_batch.TrainingBatch`:
+        per-token losses and metrics that the framework weighs once over the whole step
+        (:class:`~marin_rl_core.learner.loss.TokenLoss`). ``train_model`` is the policy being
+        trained, for losses that need its structure. (A ``loss_fn`` returning ``(loss,
+        metrics)``, the contract before, still works; its loss is then normalised per
+        micro-batch.)
 
         Called while the train step is traced, with ``reference_model`` a traced, sharded
         argument of that step (``None`` unless ``needs_reference_model``): use the model given

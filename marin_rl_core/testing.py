@@ -233,16 +233,62 @@ def _tiny_group(rewards: list[float]) -> RolloutGroup:
 
 
 def check_loss(record: LossPlugin) -> None:
-    """Contract of a loss: protocol, ``build``, one finite advantage per rollout, and equal
-    rewards giving zero advantage."""
+    """Contract of a loss: protocol, ``build``, one finite (or NaN: dropped) advantage per
+    rollout, a higher reward never a lower advantage and equal rewards equal advantages, a
+    valid ``aggregation``, and a loss function that runs on a tiny model and batch and gives a
+    finite loss and gradient (a :class:`~marin_rl_core.learner.loss.TokenLoss` of the batch's
+    shape, or the older ``(loss, metrics)``)."""
     loss = record.build(check_config_class(record))
     assert isinstance(loss, protocols.RLLossModule), f"loss {record.name!r}: not an RLLossModule"
     assert isinstance(loss.needs_reference_model, bool)
-    adv = np.asarray(loss.compute_advantages(_tiny_group([0.0, 1.0, 1.0, 0.0])))
-    assert adv.shape == (4,) and np.all(np.isfinite(adv))
+    group = _tiny_group([0.0, 1.0, 1.0, 0.0])
+    adv = np.asarray(loss.compute_advantages(group), dtype=np.float64)
+    assert adv.shape == (4,) and np.all(np.isfinite(adv)), f"advantages {adv}"
     assert adv[1] > adv[0], "a higher reward must get a higher advantage"
-    flat = np.asarray(loss.compute_advantages(_tiny_group([1.0, 1.0])))
-    assert np.allclose(flat, 0.0), "identical rewards carry no signal"
+    assert adv[1] == adv[2] and adv[0] == adv[3], "equal rewards of one prompt, equal advantages"
+    flat = np.asarray(loss.compute_advantages(_tiny_group([1.0, 1.0])), dtype=np.float64)
+    assert flat.shape == (2,) and (np.all(np.isnan(flat)) or flat[0] == flat[1])
+    how = getattr(loss, "aggregation", "token_mean")
+    name = how if isinstance(how, str) else how[0]
+    assert name in protocols.LOSS_AGGREGATIONS, f"aggregation {how!r}"
+    _check_loss_fn(record.name, loss, group, adv, how)
+
+
+def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any, how: Any) -> None:
+    import equinox as eqx
+    import jax
+
+    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.learner.loss import TokenLoss
+    from marin_rl_core.learner.step import plugin_loss_fn
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+
+    config = ModelConfig(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2,
+                         num_kv_heads=2, max_seq_len=8)  # fmt: skip
+    model = build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
+    reference = model if loss.needs_reference_model else None
+    module = loss.build(reference)
+    batch = training_batch_from_rollouts(
+        group.rollouts, advantages, config.max_seq_len, 0, aggregation=how
+    )
+    out = module.create_loss_fn(reference, model)(model, batch, key=jax.random.PRNGKey(1))
+    if isinstance(out, TokenLoss):
+        shape = batch.loss_mask.array.shape
+        assert out.loss.array.shape == shape, f"loss {name!r}: per-token loss of shape {shape}"
+        for metric, value in out.metrics.items():
+            assert value.array.shape == shape, f"loss {name!r}: metric {metric!r} is not per token"
+    step = plugin_loss_fn(module)
+
+    def value(m: Any) -> Any:
+        return step(m, batch, key=jax.random.PRNGKey(1), reference=reference)[0]
+
+    total, grads = eqx.filter_value_and_grad(value)(model)
+    assert np.isfinite(float(total)), f"loss {name!r}: the loss is {float(total)}"
+    leaves = jax.tree.leaves(eqx.filter(grads, eqx.is_inexact_array))
+    assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves), f"loss {name!r}: gradient"
+    assert any(np.any(np.asarray(g) != 0) for g in leaves), f"loss {name!r}: zero gradient"
 
 
 def check_storage(record: StoragePlugin) -> None:

@@ -9,7 +9,7 @@ import numpy as np
 
 from marin_rl_core import build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_core.learner.step import Learner
+from marin_rl_core.learner.step import Learner, plugin_loss_fn
 from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.models.tokenizer import model_tokenizer
@@ -44,7 +44,7 @@ def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
     model = initial_model(config, tok)
     learner = Learner(config.trainer)
     loss = registry.get("loss", "rloo").build(config.loss.config).build(None)
-    inner = loss.create_loss_fn(None, model)
+    inner = plugin_loss_fn(loss)
     traces = []
 
     def counted(model, batch, *, key):  # runs in Python only while JAX traces the step

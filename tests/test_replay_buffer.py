@@ -461,3 +461,18 @@ def test_groups_below_the_minimum_size_are_not_sampled():
     rollouts, _ = buffer.sample(8)
     assert "small" not in {r.problem_id for r in rollouts}
     assert buffer.sample(2) is None  # only the 2-rollout group is left
+
+
+def test_rollouts_the_loss_gives_no_advantage_are_dropped_and_made_again():
+    """A NaN advantage (grpo/rloo with drop_zero_variance_groups) keeps a group out of every
+    batch; it counts as dropped unused, so a paced worker generates as many again."""
+    from marin_rl_plugins.grpo import GRPOConfig, GRPOLoss
+
+    buffer = make_buffer(loss=GRPOLoss(GRPOConfig(drop_zero_variance_groups=True)))
+    flat = group(rollout("a", 1.0), rollout("b", 1.0))
+    varied = group(rollout("c", 1.0), rollout("d", 0.0))
+    buffer.add_batches([batch(flat, varied)], current_step=0)
+    assert held_ids(buffer) == ["c", "d"]
+    metrics = buffer.metrics()
+    assert metrics["dropped_by_loss"] == 2 and metrics["frac_zero_variance_groups"] == 0.5
+    assert buffer.unused_dropped("w") == 2

@@ -10,6 +10,7 @@ from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss, rloo_advantages
 
 from marin_rl_core import RLLossModule, Rollout, RolloutGroup, build_registry
 from marin_rl_core.config import ModelConfig
+from marin_rl_core.learner.loss import step_loss
 from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 from marin_rl_core.models.build import build_model
 from marin_rl_core.models.logprobs import next_token_logprobs
@@ -128,7 +129,7 @@ def test_loss_and_metrics_match_numpy(setup, clip_epsilon):
     module = RLOOLoss(RLOOConfig(clip_epsilon=clip_epsilon, kl_coef=0.0)).build(None)
     assert not module.needs_reference_model
     loss_fn = module.create_loss_fn(None, model)
-    loss, metrics = eqx.filter_jit(loss_fn)(model, batch, key=jax.random.PRNGKey(0))
+    loss, metrics = eqx.filter_jit(step_loss)(loss_fn, model, batch, key=jax.random.PRNGKey(0))
     logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
     mask = np.asarray(batch.loss_mask.array, dtype=np.float64)
     want, want_metrics = reference_loss(
@@ -153,7 +154,7 @@ def test_kl_penalty_to_the_reference_model(setup):
     assert module.needs_reference_model
     with pytest.raises(ValueError, match="needs the reference model"):
         module.create_loss_fn(None, model)
-    loss, metrics = eqx.filter_jit(module.create_loss_fn(reference, model))(model, batch, key=None)
+    loss, metrics = eqx.filter_jit(step_loss)(module.create_loss_fn(reference, model), model, batch)
     mask = np.asarray(batch.loss_mask.array, dtype=np.float64)
     logp = np.asarray(logprobs_of(model, batch.input_ids).array, dtype=np.float64)
     ref_logp = np.asarray(logprobs_of(reference, batch.input_ids).array, dtype=np.float64)
@@ -169,7 +170,7 @@ def test_kl_penalty_to_the_reference_model(setup):
     assert float(metrics["kl"]) == pytest.approx(want_metrics["kl"], rel=1e-4)
     assert float(loss) == pytest.approx(want, rel=1e-4)
     # Against itself the KL is zero.
-    _, same = eqx.filter_jit(module.create_loss_fn(model, model))(model, batch, key=None)
+    _, same = eqx.filter_jit(step_loss)(module.create_loss_fn(model, model), model, batch)
     assert float(same["kl"]) == pytest.approx(0.0, abs=1e-7)
 
 
@@ -182,7 +183,7 @@ def test_a_gradient_step_makes_the_best_response_more_likely(setup):
         lambda b: b.behaviour_logprobs, batch, logprobs_of(model, batch.input_ids) * batch.loss_mask
     )
     loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
-    grads = eqx.filter_jit(eqx.filter_grad(lambda m: loss_fn(m, batch, key=None)[0]))(model)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: step_loss(loss_fn, m, batch)[0]))(model)
     optimizer = optax.sgd(0.5)
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, _ = optimizer.update(grads, optimizer.init(params), params)
@@ -203,7 +204,12 @@ def test_the_plugin_is_registered_and_configurable():
     module = record.build(record.config_class(kl_coef=0.05, clip_epsilon=0.1, normalize_std=True))
     assert isinstance(module, RLLossModule)
     assert module.needs_reference_model
+    # clip_epsilon, from configs written before clip_low/clip_high, sets both.
+    assert (module.objective.clip_low, module.objective.clip_high) == (0.1, 0.1)
+    assert module.objective.kl_coef == 0.05
     with pytest.raises(ValueError):
-        RLOOConfig(clip_epsilon=0.0)
+        RLOOConfig(clip_epsilon=-0.1)
+    with pytest.raises(ValueError):
+        RLOOConfig(clip_low=0.0)
     with pytest.raises(ValueError):
         RLOOConfig(kl_coef=-1.0)

@@ -1,5 +1,6 @@
 """The third-party path: pip-install the example plugin packages and use their envs by name
-(``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn)."""
+(``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn) and the
+example loss (``examples/marinrl-reinforce``)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from marin_rl_core.testing import check_plugin
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "marinrl-echo"
 COUNTDOWN = EXAMPLE.parent / "marinrl-countdown"
+REINFORCE = EXAMPLE.parent / "marinrl-reinforce"
 
 
 def pip_install(example: Path, target: Path) -> Path:
@@ -47,6 +49,11 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def installed_countdown(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pip_install(COUNTDOWN, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def installed_reinforce(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(REINFORCE, tmp_path_factory.mktemp("site"))
 
 
 def site_env(site: Path) -> dict[str, str]:
@@ -128,15 +135,7 @@ def test_multi_turn_example_honours_the_env_contract(
 def test_multi_turn_example_passes_its_own_tests(installed_countdown):
     """The package's tests/ (contract checks, the game's rules, countdown.toml's budget), run
     as its author runs them: pytest in the package directory, the package installed."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
-        cwd=COUNTDOWN,
-        capture_output=True,
-        text=True,
-        env=site_env(installed_countdown),
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+    run_own_tests(COUNTDOWN, installed_countdown)
 
 
 def test_multi_turn_example_trains_with_its_run_config(installed_countdown, tmp_path):
@@ -174,3 +173,42 @@ def test_multi_turn_example_trains_with_its_run_config(installed_countdown, tmp_
     assert any(len(s["turns"]) > 1 for s in samples)
     evals = [r for r in rows if r["source"] == "eval"]
     assert evals and all(r["eval/countdown/n"] == 8 for r in evals)  # the locked lesson too
+
+
+def run_own_tests(package: Path, site: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=package,
+        capture_output=True,
+        text=True,
+        env=site_env(site),
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+# --- the custom loss example ---------------------------------------------------------------------
+
+
+def test_the_custom_loss_example_passes_its_own_tests(installed_reinforce):
+    """marinrl's contract checks for losses (its loss function on a tiny model included) and
+    the loss against numpy, run as the package's author runs them."""
+    run_own_tests(REINFORCE, installed_reinforce)
+
+
+def test_the_custom_loss_example_trains_through_marinrl_run(
+    installed_reinforce, tiny_mock_job, tmp_path
+):
+    from marin_rl_core.metrics import read_metrics
+
+    result = marinrl(
+        installed_reinforce, "run", *tiny_mock_job, "--loss", "reinforce",
+        "--set", "trainer.num_train_steps=6", "--set", f'run_dir="{tmp_path}"',
+        "--run-id", "custom-loss",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in read_metrics(tmp_path / "custom-loss") if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    # The loss's own per-token metric, weighed over each step by the framework.
+    assert all(0 < r["importance_weight"] <= 2.0 for r in train)
+    assert all(r["num_tokens"] > 0 for r in train)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from marin_rl_core import Rollout
+from marin_rl_core.learner.loss import step_loss
 from marin_rl_core.learner.training_batch import TrainingBatch, training_batch_from_rollouts
 from marin_rl_core.models.packing import pack_sequences
 
@@ -190,7 +191,9 @@ def test_packed_rows_give_the_same_logprobs_and_loss_as_one_rollout_per_row():
 
     loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
     np.testing.assert_allclose(
-        float(loss_fn(model, packed)[0]), float(loss_fn(model, plain)[0]), rtol=1e-5
+        float(step_loss(loss_fn, model, packed)[0]),
+        float(step_loss(loss_fn, model, plain)[0]),
+        rtol=1e-5,
     )
 
 
@@ -234,7 +237,9 @@ def test_trimmed_rows_end_at_the_longest_rollout_and_give_the_same_loss():
     np.testing.assert_allclose(got[mask], want[mask], atol=1e-5)
     loss_fn = RLOOLoss(RLOOConfig(kl_coef=0.0)).create_loss_fn(None, model)
     np.testing.assert_allclose(
-        float(loss_fn(model, trimmed)[0]), float(loss_fn(model, full)[0]), rtol=1e-5
+        float(step_loss(loss_fn, model, trimmed)[0]),
+        float(step_loss(loss_fn, model, full)[0]),
+        rtol=1e-5,
     )
     packed = training_batch_from_rollouts(
         rollouts, advantages, 32, PAD, temperature=1.5, pack=True, trim=True

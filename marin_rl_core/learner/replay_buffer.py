@@ -65,6 +65,7 @@ class _EnvCounters:
     dropped_stale_step: int = 0
     dropped_stale_time: int = 0
     evicted: int = 0
+    dropped_by_loss: int = 0
     sampled_rollouts: int = 0
     sampled_tokens: int = 0
 
@@ -207,6 +208,8 @@ class ReplayBuffer:
         for rollout, advantage in zip(rollouts, advantages, strict=True):
             counters = self._window[rollout.env_name]
             reason = self._stale_reason(rollout, now)
+            if reason is None and not np.isfinite(advantage):  # the loss drops it
+                reason = "dropped_by_loss"
             if reason is not None:
                 setattr(counters, reason, getattr(counters, reason) + 1)
                 self._count_unused(rollout)
@@ -421,7 +424,8 @@ class ReplayBuffer:
 
         Since the last ``metrics(reset=True)``: ``new_rollouts``, ``new_tokens``,
         ``new_generated_tokens``, ``reward/mean``, ``reward/std`` and ``frac_truncated`` of the
-        rollouts accepted; ``dropped_stale_step``, ``dropped_stale_time``, ``evicted``;
+        rollouts accepted; ``dropped_stale_step``, ``dropped_stale_time``, ``evicted``,
+        ``dropped_by_loss`` (the loss gave them a NaN advantage: a group without variance);
         ``sampled_rollouts`` (uses in batches); ``frac_zero_variance_groups`` (groups received
         whose rewards are all equal, so they carry no learning signal).
 
@@ -491,6 +495,7 @@ class ReplayBuffer:
             "dropped_stale_step",
             "dropped_stale_time",
             "evicted",
+            "dropped_by_loss",
             "sampled_rollouts",
             "sampled_tokens",
         ):

@@ -98,8 +98,13 @@ def _metric(name: str, value: Any) -> Any:
 
 
 def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_fn(model, batch, ...)`` returning ``(loss, metrics)`` with levanter ``Metric``s;
+    a :class:`~marin_rl_core.learner.loss.TokenLoss` is weighed over the step first."""
+    from marin_rl_core.learner.loss import TokenLoss, aggregate
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        loss, metrics = loss_fn(*args, **kwargs)
+        out = loss_fn(*args, **kwargs)
+        loss, metrics = aggregate(out, args[1]) if isinstance(out, TokenLoss) else out
         return loss, {k: _metric(k, v) for k, v in metrics.items()}
 
     return wrapped
@@ -117,13 +122,15 @@ class _StepJit:
     donated, as levanter's ``donate_args=(True,)`` does. ``tests/test_sharding.py`` checks the
     result and the parameters' sharding on four devices against one."""
 
-    def __init__(self, step: Callable[..., Any], axis_mapping: Any):
+    def __init__(self, step: Callable[..., Any], axis_mapping: Any, microbatch_rows: int | None):
         import equinox as eqx
         import haliax as hax
 
         def body(inputs: tuple[Any, Any], state: Any) -> Any:
+            batch, kwargs = inputs
+            batch = tuple(_for_accumulation(b, microbatch_rows) for b in batch)
             with hax.axis_mapping(axis_mapping):
-                return step(state, *inputs)
+                return step(state, batch, kwargs)
 
         # Donate every argument but the first: the state, not the batch.
         self._jit = eqx.filter_jit(body, donate="all-except-first")
@@ -136,14 +143,38 @@ class _StepJit:
         return self._jit.lower((batch, batch_kwargs), state).lowered
 
 
+def _for_accumulation(batch: Any, microbatch_rows: int | None) -> Any:
+    """``batch`` with its step-wide loss weights (``TrainingBatch.loss_weight``) scaled by the
+    number of micro-batches it is cut into: levanter averages the micro-batches' losses,
+    gradients and mean metrics, and weights that sum over the whole step need a sum."""
+    import equinox as eqx
+
+    if getattr(batch, "loss_weight", None) is None or not microbatch_rows:
+        return batch
+    steps = batch.Batch.size // microbatch_rows
+    if steps <= 1:
+        return batch
+    return eqx.tree_at(
+        lambda b: (b.loss_weight, b.token_weight),
+        batch,
+        (batch.loss_weight * steps, batch.token_weight * steps),
+    )
+
+
 def plugin_loss_fn(module: Any) -> Callable[..., Any]:
     """A loss plugin's loss function, made inside the traced step from the reference model the
     step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
     frozen model. ``create_loss_fn`` is cheap and pure (the protocol says so); the structure it
-    is given as ``train_model`` is the policy being trained."""
+    is given as ``train_model`` is the policy being trained. A
+    :class:`~marin_rl_core.learner.loss.TokenLoss` is weighed into the step's loss here."""
+
+    from marin_rl_core.learner.loss import TokenLoss, aggregate
 
     def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
-        return module.create_loss_fn(reference, model)(model, batch, key=key)
+        out = module.create_loss_fn(reference, model)(model, batch, key=key)
+        if isinstance(out, TokenLoss):
+            return aggregate(out, batch)
+        return out  # (loss, metrics): the contract before issue 26
 
     return loss_fn
 
@@ -157,11 +188,12 @@ def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
     trainer = levanter.trainer.Trainer(*args, **kwargs)
     # levanter builds these lazily (cached properties); set them first. With hooks due (the
     # gradient-norm watch runs every step) levanter calls the first, else the second.
+    rows = trainer.config.microbatch_size
     trainer.__dict__["_jit_train_step_fn"] = _StepJit(
-        trainer._train_step, trainer.parameter_axis_mapping
+        trainer._train_step, trainer.parameter_axis_mapping, rows
     )
     trainer.__dict__["_jit_train_step_fn_no_hook"] = _StepJit(
-        functools.partial(trainer._train_step, _no_hooks=True), trainer.parameter_axis_mapping
+        functools.partial(trainer._train_step, _no_hooks=True), trainer.parameter_axis_mapping, rows
     )
     return trainer
 

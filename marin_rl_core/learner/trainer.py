@@ -369,6 +369,7 @@ class Trainer:
             pack=self.config.trainer.pack_rollouts,
             row_multiple=self._row_multiple,
             trim=self.config.trainer.trim_rows,
+            aggregation=getattr(self.loss, "aggregation", "token_mean"),
         )
 
     def _start_warm_up(self) -> threading.Thread | None:

@@ -32,6 +32,7 @@ from haliax import Axis, NamedArray
 
 from marin_rl_core.models.logprobs import next_token_logprobs_and_entropy
 from marin_rl_core.models.packing import BATCH, POS, pack_rows, row_length
+from marin_rl_core.protocols import LOSS_AGGREGATIONS
 from marin_rl_core.types import Rollout
 
 
@@ -55,6 +56,11 @@ class TrainingBatch(eqx.Module):
             segment.
         position_ids: ``None``, or for packed rows int32 ``[batch, position]``: each token's
             position within its rollout.
+        loss_weight: float32, each position's weight in the step's loss by the loss's
+            aggregation, computed over the whole step (:mod:`~marin_rl_core.learner.loss`); 0
+            outside the mask. ``None`` (a batch made by hand): token mean per micro-batch.
+        token_weight: float32, ``loss_mask / (response tokens of the step)``: per-token metrics
+            are reported as means with it.
 
     Losses pass ``segment_ids`` and ``position_ids`` on to
     :func:`~marin_rl_core.models.logprobs.next_token_logprobs_and_entropy` (``batch_logprobs_and_entropy``
@@ -68,6 +74,8 @@ class TrainingBatch(eqx.Module):
     temperature: NamedArray
     segment_ids: NamedArray | None = None
     position_ids: NamedArray | None = None
+    loss_weight: NamedArray | None = None
+    token_weight: NamedArray | None = None
 
     @property
     def Batch(self) -> Axis:
@@ -100,6 +108,7 @@ def training_batch_from_rollouts(
     pack: bool = False,
     row_multiple: int = 1,
     trim: bool = False,
+    aggregation: str | tuple[str, int] = "token_mean",
 ) -> TrainingBatch:
     """Build a :class:`TrainingBatch` from rollouts and one advantage per rollout.
 
@@ -123,6 +132,9 @@ def training_batch_from_rollouts(
             (fewer distinct shapes to compile; micro-batches and data-parallel shards divide it).
         trim: rows end after the batch's longest row, rounded up (:func:`row_length`), instead
             of at ``max_seq_len``: a batch of short rollouts then costs what its tokens cost.
+        aggregation: the loss's (``RLLossModule.aggregation``): ``loss_weight`` weighs each
+            token by it over the whole batch; the ``L`` of ``"sum_over_length"`` is 0 for
+            ``max_seq_len``.
     """
     advantages = np.asarray(advantages, dtype=np.float32).reshape(-1)
     if advantages.shape[0] != len(rollouts):
@@ -143,6 +155,8 @@ def training_batch_from_rollouts(
     else:
         temps_of[:] = given
     lengths = [min(r.num_tokens, max_seq_len) for r in rollouts]
+    rollout_weight = _rollout_weights(rollouts, lengths, aggregation, max_seq_len)
+    step_tokens = max(sum(float(r.loss_mask[1:n].sum()) for r, n in zip(rollouts, lengths)), 1.0)
     if pack:
         layout = pack_rows(lengths, max_seq_len)
         n = max(1, -(-len(layout) // row_multiple)) * row_multiple
@@ -165,6 +179,7 @@ def training_batch_from_rollouts(
     segments = np.full((n, max_seq_len), -1, dtype=np.int32)
     positions = np.zeros((n, max_seq_len), dtype=np.int32)
     token_temps = np.ones((n, max_seq_len), dtype=np.float32)
+    loss_weight = np.zeros((n, max_seq_len), dtype=np.float32)
     for row, members in enumerate(layout):
         start = 0
         for segment, i in enumerate(members):
@@ -177,6 +192,7 @@ def training_batch_from_rollouts(
             mask = rollout.loss_mask[1:length].astype(np.float32)
             loss_mask[row, predicting] = mask
             token_advantages[row, predicting] = mask * advantages[i]
+            loss_weight[row, predicting] = mask * rollout_weight[i]
             behaviour[row, predicting] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
             if pack:  # one rollout per row needs neither: its row is its segment
                 segments[row, span] = segment
@@ -204,7 +220,34 @@ def training_batch_from_rollouts(
         temperature=temps,
         segment_ids=segment_ids,
         position_ids=position_ids,
+        loss_weight=named(loss_weight),
+        token_weight=named(loss_mask / np.float32(step_tokens)),
     )
+
+
+def _rollout_weights(
+    rollouts: Sequence[Rollout],
+    lengths: Sequence[int],
+    aggregation: str | tuple[str, int],
+    max_seq_len: int,
+) -> np.ndarray:
+    """Each rollout's per-token weight in the step's loss (:mod:`~marin_rl_core.learner.loss`):
+    ``1 / N_tokens``, ``1 / (n_i N_seq)`` or ``1 / (L N_seq)``, over rollouts with tokens."""
+    how, length = (aggregation, 0) if isinstance(aggregation, str) else aggregation
+    if how not in LOSS_AGGREGATIONS:
+        raise ValueError(f"unknown loss aggregation {how!r}; choose one of {LOSS_AGGREGATIONS}")
+    counts = np.asarray(
+        [float(r.loss_mask[1:n].sum()) for r, n in zip(rollouts, lengths, strict=True)],
+        dtype=np.float64,
+    )
+    sequences = max(int(np.count_nonzero(counts)), 1)
+    if how == "token_mean":
+        weights = np.full(len(rollouts), 1.0 / max(counts.sum(), 1.0))
+    elif how == "sequence_mean":
+        weights = 1.0 / (np.maximum(counts, 1.0) * sequences)
+    else:
+        weights = np.full(len(rollouts), 1.0 / ((length or max_seq_len) * sequences))
+    return weights.astype(np.float32)
 
 
 def batch_logprobs_and_entropy(

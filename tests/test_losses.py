@@ -1,0 +1,293 @@
+"""The loss contract (issue 26): per-token losses weighed once over the whole step, the same
+however the step is cut, and the policy-gradient objective's options against plain numpy."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from marin_rl_plugins.grpo import GRPOConfig, GRPOLoss, grpo_advantages
+
+from marin_rl_core import Rollout, RolloutGroup, build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.learner.loss import aggregate, reward_to_go, sequence_mean
+from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, policy_gradient_loss
+from marin_rl_core.learner.step import Learner, plugin_loss_fn
+from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+from marin_rl_core.models.build import initial_model
+from marin_rl_core.models.tokenizer import model_tokenizer
+
+jax.config.update("jax_enable_x64", False)
+
+
+def rollouts(n: int, *, seed: int = 0, max_response: int = 6) -> list[Rollout]:
+    """``n`` single-turn rollouts with responses of 1..``max_response`` tokens (uneven, so
+    micro-batches and rows hold different numbers of response tokens)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(3, 12, size=int(rng.integers(2, 5))).astype(np.int32)
+        length = int(rng.integers(1, max_response + 1))
+        out.append(
+            Rollout.single_turn(
+                env_name="mock",
+                lesson_id="count",
+                problem_id=str(i),
+                prompt_tokens=prompt,
+                response_tokens=rng.integers(3, 12, size=length).astype(np.int32),
+                response_logprobs=-rng.uniform(1.0, 3.0, size=length).astype(np.float32),
+                reward=float(rng.integers(0, 2)),
+            )
+        )
+    return out
+
+
+# --- the objective against numpy -----------------------------------------------------------------
+
+
+def sequences_of(batch) -> np.ndarray:
+    """A global rollout id per position (-1 where none)."""
+    mask = np.asarray(batch.loss_mask.array)
+    rows, width = mask.shape
+    if batch.segment_ids is None:
+        ids = np.repeat(np.arange(rows)[:, None], width, axis=1)
+    else:
+        seg = np.asarray(batch.segment_ids.array)
+        ids = np.where(seg >= 0, np.arange(rows)[:, None] * width + seg, -1)
+    return np.where(mask > 0, ids, -1)
+
+
+def reference_weights(mask: np.ndarray, seq: np.ndarray, aggregation: str, length: int):
+    if aggregation == "token_mean":
+        return mask / mask.sum()
+    ids = np.unique(seq[seq >= 0])
+    counts = {i: mask[seq == i].sum() for i in ids}
+    out = np.zeros_like(mask)
+    for i in ids:
+        out[seq == i] = 1.0 / (len(ids) * (counts[i] if aggregation == "sequence_mean" else length))
+    return out
+
+
+def reference_objective(c: PolicyGradientConfig, batch, logp, ent, ref, length):
+    """The loss value and its gradients in logp and entropy, written out by hand (the
+    stop-gradients of the formulas in policy_gradient's docstring taken literally)."""
+    mask = np.asarray(batch.loss_mask.array, np.float64)
+    b = np.asarray(batch.behaviour_logprobs.array, np.float64)
+    adv = np.asarray(batch.advantages.array, np.float64)
+    seq = sequences_of(batch)
+    logp, ent = logp.astype(np.float64), ent.astype(np.float64)
+
+    def per_sequence(values, how):
+        out = np.zeros_like(values)
+        for i in np.unique(seq[seq >= 0]):
+            at = np.flatnonzero(seq.reshape(-1) == i)
+            v = values.reshape(-1)[at]
+            if how == "mean":
+                out.reshape(-1)[at] = v.mean()
+            else:  # suffix sums in position order
+                out.reshape(-1)[at] = np.cumsum(v[::-1])[::-1]
+        return out
+
+    k = dk = 0.0
+    if c.kl_coef > 0:
+        d = logp - ref
+        k, dk = {
+            "k1": (d, np.ones_like(d)),
+            "k2": (0.5 * d * d, d),
+            "k3": (np.exp(-d) + d - 1, 1 - np.exp(-d)),
+        }[c.kl_estimator]
+        if c.kl_in == "reward":
+            adv = adv - c.kl_coef * per_sequence(k, "suffix")
+    w = np.minimum(np.exp(logp - b), c.tis_cap) if c.tis_cap else np.ones_like(logp)
+    old = logp if c.tis_cap else b
+    log_ratio = logp - old
+    if c.ratio == "sequence":
+        log_ratio = per_sequence(log_ratio, "mean")
+    r = np.exp(log_ratio)
+    bounded = np.clip(r, 1 - c.clip_low, 1 + c.clip_high)
+    if c.objective == "clip":
+        un, cl = r * adv, bounded * adv
+        o = np.minimum(un, cl)
+        do = np.where(un <= cl, r * adv, 0.0)
+        if c.dual_clip:
+            floored = (adv < 0) & (o < c.dual_clip * adv)
+            o = np.where(floored, c.dual_clip * adv, o)
+            do = np.where(floored, 0.0, do)
+    else:
+        o, do = bounded * adv * logp, bounded * adv
+    loss = -w * o - c.entropy_coef * ent
+    dloss = -w * do
+    if c.kl_coef > 0 and c.kl_in == "loss":
+        loss, dloss = loss + c.kl_coef * k, dloss + c.kl_coef * dk
+    weights = reference_weights(mask, seq, c.aggregation, length)
+    return (weights * loss).sum(), weights * dloss, -c.entropy_coef * weights
+
+
+CASES = {
+    "ppo clip": {},
+    "clip higher": {"clip_high": 0.28},
+    "dual clip": {"dual_clip": 1.5, "clip_low": 0.1},
+    "gspo": {"ratio": "sequence", "clip_low": 0.05, "clip_high": 0.05,
+             "aggregation": "sequence_mean"},
+    "cispo": {"objective": "cispo", "clip_low": 1.0, "clip_high": 0.1},
+    "tis": {"tis_cap": 1.5},
+    "k1 in loss": {"kl_coef": 0.1, "kl_estimator": "k1"},
+    "k2 in loss": {"kl_coef": 0.1, "kl_estimator": "k2"},
+    "k3 in loss, entropy": {"kl_coef": 0.1, "entropy_coef": 0.01},
+    "k3 in reward": {"kl_coef": 0.5, "kl_in": "reward"},
+    "sequence mean": {"aggregation": "sequence_mean"},
+    "dr grpo": {"aggregation": "sum_over_length", "aggregation_length": 8},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_objective_and_its_gradients_match_numpy(case, packed):
+    c = PolicyGradientConfig(**CASES[case])
+    rs = rollouts(8, seed=1)
+    advantages = np.random.default_rng(2).normal(size=len(rs)).astype(np.float32)
+    batch = training_batch_from_rollouts(
+        rs, advantages, 16, 0, batch_size=8, pack=packed,
+        aggregation=(c.aggregation, c.aggregation_length),
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    shape = batch.loss_mask.array.shape
+    # The policy near the sampler (some ratios clip, most do not), the reference further off.
+    logp = np.asarray(batch.behaviour_logprobs.array) + rng.normal(scale=0.15, size=shape)
+    ent = rng.uniform(0.5, 2.0, size=shape)
+    ref = logp + rng.normal(scale=0.5, size=shape)
+    logp, ent, ref = (x.astype(np.float32) for x in (logp, ent, ref))
+
+    def value(lp, en):
+        return aggregate(policy_gradient_loss(c, batch, lp, en, jnp.asarray(ref)), batch)[0]
+
+    got, (g_logp, g_ent) = jax.value_and_grad(value, argnums=(0, 1))(
+        jnp.asarray(logp), jnp.asarray(ent)
+    )
+    want, want_logp, want_ent = reference_objective(c, batch, logp, ent, ref, 8)
+    assert float(got) == pytest.approx(want, rel=2e-4, abs=1e-6)
+    np.testing.assert_allclose(np.asarray(g_logp), want_logp, rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(g_ent), want_ent, rtol=1e-4, atol=1e-8)
+    assert np.abs(want_logp).sum() > 0
+
+
+def test_sequence_helpers_keep_packed_rollouts_apart():
+    rs = rollouts(6, seed=4)
+    batch = training_batch_from_rollouts(rs, np.zeros(6), 24, 0, batch_size=6, pack=True)
+    mask = np.asarray(batch.loss_mask.array)
+    seg = batch.segment_ids.array
+    assert (np.asarray(seg).max(axis=1) > 0).any(), "the fixture should pack rollouts together"
+    values = np.random.default_rng(5).normal(size=mask.shape).astype(np.float32)
+    seq = sequences_of(batch)
+    means = np.asarray(sequence_mean(jnp.asarray(values), jnp.asarray(mask), seg))
+    suffix = np.asarray(reward_to_go(jnp.asarray(values), jnp.asarray(mask), seg))
+    for i in np.unique(seq[seq >= 0]):
+        at = seq == i
+        np.testing.assert_allclose(means[at], values[at].mean(), rtol=1e-5)
+        np.testing.assert_allclose(suffix[at], np.cumsum(values[at][::-1])[::-1], rtol=1e-5)
+
+
+# --- one loss however the step is cut ------------------------------------------------------------
+
+
+def step_loss_and_grad_norm(loss_name: str, *, micro: int, pack: bool, legacy: bool = False):
+    """The loss and gradient norm of one optimizer step of the real learner on one fixed batch
+    of 8 rollouts, cut into ``8 / micro`` micro-batches."""
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "mock", "loss": loss_name},
+        overrides=["trainer.batch_size=8", f"trainer.microbatch_size={micro}",
+                   "model.max_seq_len=16", "loss.kl_coef=0.05"],
+    )  # fmt: skip
+    tok = model_tokenizer(config.model)
+    model = initial_model(config, tok)
+    learner = Learner(config.trainer)
+    module = registry.get("loss", loss_name).build(config.loss.config)
+    reference = learner.shard(jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model))
+    loss_fn = plugin_loss_fn(module)
+    if legacy:  # the contract before issue 26: a loss normalised within each micro-batch
+
+        def loss_fn(model, batch, *, key=None, reference=None):
+            out = module.create_loss_fn(reference, model)(model, batch, key=key)
+            mask = batch.loss_mask.array
+            per_token = jnp.where(mask > 0, out.loss.array, 0.0)
+            return jnp.sum(per_token) / jnp.maximum(jnp.sum(mask), 1.0), {}
+
+    learner.set_loss(loss_fn, reference=reference)
+    state = learner.init_state(model, key=jax.random.PRNGKey(0))
+    rs = rollouts(8, seed=6, max_response=8)
+    advantages = np.linspace(-1.0, 1.0, 8)
+    batch = training_batch_from_rollouts(
+        rs, advantages, 16, tok.pad_id, batch_size=8, pack=pack, row_multiple=micro,
+        aggregation=module.aggregation,
+    )  # fmt: skip
+    _, loss, metrics = learner.step(state, batch)
+    return loss, metrics["grad_norm"], metrics
+
+
+@pytest.mark.parametrize("loss_name", ["rloo", "grpo"])
+def test_the_same_batch_cut_into_1_2_or_4_micro_batches_packed_or_not_gives_one_loss(loss_name):
+    whole, norm, metrics = step_loss_and_grad_norm(loss_name, micro=8, pack=False)
+    assert metrics["num_tokens"] > 0 and 0 < metrics["ratio_mean"] < 10
+    for micro in (8, 4, 2):
+        for pack in (False, True):
+            if (micro, pack) == (8, False):
+                continue
+            loss, grad_norm, cut = step_loss_and_grad_norm(loss_name, micro=micro, pack=pack)
+            assert loss == pytest.approx(whole, rel=1e-4, abs=1e-6), (micro, pack)
+            assert grad_norm == pytest.approx(norm, rel=1e-3), (micro, pack)
+            for name in ("ratio_mean", "entropy", "kl", "num_tokens"):
+                assert cut[name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), name
+    # What the contract replaced: normalised per micro-batch, the loss depends on the cut.
+    per_micro = [step_loss_and_grad_norm(loss_name, micro=m, pack=False, legacy=True)[0]
+                 for m in (8, 2)]  # fmt: skip
+    assert per_micro[0] != pytest.approx(per_micro[1], rel=1e-3)
+
+
+# --- grpo's advantages ---------------------------------------------------------------------------
+
+
+def group(rewards, lengths=None) -> RolloutGroup:
+    lengths = lengths or [2] * len(rewards)
+    return RolloutGroup(
+        rollouts=[
+            Rollout.single_turn(
+                env_name="mock",
+                lesson_id="count",
+                problem_id="p",
+                prompt_tokens=[3, 4],
+                response_tokens=[5] * n,
+                response_logprobs=[-1.0] * n,
+                reward=r,
+            )
+            for r, n in zip(rewards, lengths, strict=True)
+        ]
+    )
+
+
+@pytest.mark.parametrize("norm", ["none", "group_mean", "group_mean_std"])
+def test_grpo_advantages_match_numpy(norm):
+    r = np.array([1.0, 0.0, 0.5, 0.0])
+    want = {
+        "none": r,
+        "group_mean": r - r.mean(),
+        "group_mean_std": (r - r.mean()) / (r.std() + 1e-6),
+    }
+    np.testing.assert_allclose(grpo_advantages(r, norm), want[norm], rtol=1e-6)
+    loss = GRPOLoss(GRPOConfig(advantage_norm=norm))
+    np.testing.assert_allclose(loss.compute_advantages(group(list(r))), want[norm], rtol=1e-6)
+
+
+def test_over_long_responses_lose_reward_and_uninformative_groups_can_be_dropped():
+    c = GRPOConfig(advantage_norm="none", overlong_length=10, overlong_buffer=4)
+    shaped = GRPOLoss(c).compute_advantages(group([1.0, 1.0, 1.0, 1.0], [6, 7, 9, 12]))
+    # Penalty min(1, (n - 6) / 4): 0, 0.25, 0.75, 1.
+    np.testing.assert_allclose(shaped, [1.0, 0.75, 0.25, 0.0], rtol=1e-6)
+    dropping = GRPOLoss(GRPOConfig(drop_zero_variance_groups=True))
+    assert np.isnan(dropping.compute_advantages(group([1.0, 1.0]))).all()
+    assert np.isfinite(dropping.compute_advantages(group([1.0, 0.0]))).all()
+    with pytest.raises(ValueError, match="overlong_buffer"):
+        GRPOConfig(overlong_length=10)
