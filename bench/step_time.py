@@ -11,6 +11,7 @@ machinery with the run's mesh and precision policy); peak memory is XLA's own fi
 compiled step (temporaries, arguments and outputs).
 
     python bench/step_time.py [--repeats 30] [--set trainer.batch_size=256 ...]
+    python bench/step_time.py --losses rloo grpo   # each loss against its own CE step
     # a small Qwen3-shaped checkpoint with Qwen's real 151,936-token vocabulary:
     python bench/step_time.py --hf-vocab 151936 --set trainer.batch_size=64
 """
@@ -36,6 +37,9 @@ def main() -> None:
         "vocabulary rows instead of the default model",
     )
     parser.add_argument("--hf-hidden", type=int, default=128)
+    parser.add_argument(
+        "--losses", nargs="+", default=[], help="bench each of these losses (default: the run's)"
+    )
     args = parser.parse_args()
     if args.hf_vocab:
         import tempfile
@@ -76,16 +80,27 @@ def main() -> None:
     size = config.trainer.batch_size
     rollouts = (rollouts * (size // len(rollouts) + 1))[:size]
     advantages = np.random.default_rng(0).normal(size=len(rollouts)).astype(np.float32)
-    tb = training_batch_from_rollouts(
-        rollouts,
-        advantages,
-        config.model.max_seq_len,
-        tokenizer.pad_id,
-        temperature=sampling.temperature,
-        batch_size=size,
-    )
-    step_figures = compare_steps(config, registry, model, tb, repeats=args.repeats)
-    print_step_figures(config, step_figures)
+    for name in args.losses or [config.loss.name]:
+        loss_config = resolve_config(
+            registry,
+            selections={"loss": name},
+            overrides=['model.inference_engine="paged"', *args.overrides],
+        )
+        aggregation = getattr(
+            registry.get("loss", name).build(loss_config.loss.config), "aggregation", "token_mean"
+        )
+        tb = training_batch_from_rollouts(
+            rollouts,
+            advantages,
+            config.model.max_seq_len,
+            tokenizer.pad_id,
+            temperature=sampling.temperature,
+            batch_size=size,
+            aggregation=aggregation,
+        )
+        step_figures = compare_steps(loss_config, registry, model, tb, repeats=args.repeats)
+        print_step_figures(loss_config, step_figures)
+        print()
     print_rollout_figures(config, lesson.id, rollout_figures)
 
 

@@ -9,6 +9,7 @@ the final accuracy and the reward curve. The learning bar (issue 3): every seed 
 stays at or above 0.75 to the end.
 
     python bench/time_to_accuracy.py [--seeds 0 1 2] [--lesson add_1digit] [--set KEY=VALUE ...]
+    python bench/time_to_accuracy.py --loss grpo       # another loss on the same task
     python bench/time_to_accuracy.py --until-target    # stop each run at the target (a baseline)
     python bench/time_to_accuracy.py --runs runs/RUN_ID ...   # summarise finished runs instead
 
@@ -121,7 +122,7 @@ def run_seed(seed: int, run_root: Path, args: argparse.Namespace) -> dict[str, A
         "marin_rl_core",
         "run",
         "--loss",
-        "rloo",
+        args.loss,
         "--env",
         args.env,
         "--run-id",
@@ -159,6 +160,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--runs", nargs="+", default=[], help="summarise these finished runs")
     parser.add_argument("--env", default="math")
+    parser.add_argument("--loss", default="rloo", help="the loss plugin (rloo, grpo, ...)")
     parser.add_argument("--lesson", default="add_1digit")
     parser.add_argument(
         "--max-seconds", type=float, default=None, help="the target must be reached this soon"

@@ -12,13 +12,14 @@ from marin_rl_core.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def test_default_job_learns_single_digit_addition_on_held_out_problems(tmp_path):
-    """`marinrl run --loss rloo --env math` on the embedded defaults: held-out exact-match
+@pytest.mark.parametrize("loss", ["rloo", "grpo"])
+def test_default_job_learns_single_digit_addition_on_held_out_problems(tmp_path, loss):
+    """`marinrl run --loss LOSS --env math` on the embedded defaults: held-out exact-match
     accuracy on add_1digit starts near chance and ends at or above 0.8."""
     registry = build_registry()
     config = resolve_config(
         registry,
-        selections={"loss": "rloo", "env": "math"},
+        selections={"loss": loss, "env": "math"},
         overrides=[f'run_dir="{tmp_path}"', 'run_id="learn"'],
     )
     result = RLJob(config, registry).run(progress=False)

@@ -291,3 +291,44 @@ def test_over_long_responses_lose_reward_and_uninformative_groups_can_be_dropped
     assert np.isfinite(dropping.compute_advantages(group([1.0, 0.0]))).all()
     with pytest.raises(ValueError, match="overlong_buffer"):
         GRPOConfig(overlong_length=10)
+
+
+# --- GAE -----------------------------------------------------------------------------------------
+
+
+def gae_loop(rewards, values, mask, seq, gamma, lam):
+    """GAE the textbook way: each rollout's actions in order, one Python loop per rollout."""
+    advantages = np.zeros_like(values)
+    for i in np.unique(seq[seq >= 0]):
+        at = list(zip(*np.nonzero((seq == i) & (mask > 0)), strict=True))  # row-major order
+        next_value = next_advantage = 0.0
+        for t in reversed(at):
+            delta = rewards[t] + gamma * next_value - values[t]
+            next_advantage = delta + gamma * lam * next_advantage
+            advantages[t], next_value = next_advantage, values[t]
+    return advantages, np.where(mask > 0, advantages + values, 0.0)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
+def test_gae_matches_a_loop_over_each_rollouts_actions(gamma, lam, packed):
+    from marin_rl_core.learner.loss import gae
+
+    rs = rollouts(6, seed=7)
+    batch = training_batch_from_rollouts(rs, np.zeros(6), 24, 0, batch_size=6, pack=packed)
+    mask = np.array(batch.loss_mask.array)
+    if packed:
+        assert (np.asarray(batch.segment_ids.array).max(axis=1) > 0).any()
+    # A gap in one rollout's actions, as a multi-turn rollout's observations make.
+    first = np.flatnonzero(mask[0])
+    mask[0, first[1]] = 0.0 if len(first) > 2 else mask[0, first[1]]
+    rng = np.random.default_rng(8)
+    rewards = np.where(mask > 0, rng.normal(size=mask.shape), 0.0).astype(np.float32)
+    values = rng.normal(size=mask.shape).astype(np.float32)
+    seg = batch.segment_ids.array if packed else None
+    got_a, got_r = gae(jnp.asarray(rewards), jnp.asarray(values), jnp.asarray(mask), seg,
+                       gamma=gamma, lam=lam)  # fmt: skip
+    seq = np.where(mask > 0, sequences_of(batch), -1)
+    want_a, want_r = gae_loop(rewards, values, mask, seq, gamma, lam)
+    np.testing.assert_allclose(np.asarray(got_a), want_a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_r), want_r, rtol=1e-5, atol=1e-5)
