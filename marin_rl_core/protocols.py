@@ -108,6 +108,8 @@ class RLLossModule(Protocol):
     Optional attribute ``aggregation``: how the per-token losses become the step's loss, one of
     :data:`LOSS_AGGREGATIONS` or ``(name, length)`` (the ``L`` of ``"sum_over_length"``, 0 for
     ``model.max_seq_len``); ``"token_mean"`` when absent (:mod:`marin_rl_core.learner.loss`).
+    Optional attribute ``needs_token_rewards``: ``True`` fills ``TrainingBatch.token_rewards``
+    (per-token rewards, for value-based losses such as GAE).
     """
 
     @property

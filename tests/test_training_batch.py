@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 
@@ -245,3 +246,23 @@ def test_trimmed_rows_end_at_the_longest_rollout_and_give_the_same_loss():
         rollouts, advantages, 32, PAD, temperature=1.5, pack=True, trim=True
     )
     assert packed.Batch.size == 1 and packed.Pos.size == 32  # 11 + 7 + 7 + 4 = 29 tokens, one row
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_token_rewards_sit_where_each_turns_last_action_is_predicted(pack):
+    """For value-based losses (GAE): each turn's reward at the position predicting its last
+    sampled token; nothing unless the loss asks."""
+    game = multi_turn([1, 9, 3, 4, 5, 6], [0, 0, 1, 0, 1, 1], reward=2.0)
+    game = attrs.evolve(game, turn_rewards=np.asarray([0.5, 2.0], np.float32))
+    short = multi_turn([1, 2, 7], [0, 0, 1], reward=1.0)
+    batch = training_batch_from_rollouts([game, short], [0.0, 0.0], 12, 0, pack=pack,
+                                         token_rewards=True)  # fmt: skip
+    rewards = np.asarray(batch.token_rewards.array)
+    # game: actions at tokens 2 (turn 1) and 4, 5 (turn 2): predicted at positions 1, 3, 4.
+    assert rewards[0, :6].tolist() == [0.0, 0.5, 0.0, 0.0, 2.0, 0.0]
+    start = 6 if pack else 0
+    row = 0 if pack else 1
+    assert rewards[row, start : start + 3].tolist() == [0.0, 1.0, 0.0]
+    assert batch.Batch.size == (1 if pack else 2)
+    plain = training_batch_from_rollouts([game, short], [0.0, 0.0], 12, 0, pack=pack)
+    assert plain.token_rewards is None

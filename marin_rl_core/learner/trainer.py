@@ -370,6 +370,7 @@ class Trainer:
             row_multiple=self._row_multiple,
             trim=self.config.trainer.trim_rows,
             aggregation=getattr(self.loss, "aggregation", "token_mean"),
+            token_rewards=bool(getattr(self.loss, "needs_token_rewards", False)),
         )
 
     def _start_warm_up(self) -> threading.Thread | None:

@@ -61,6 +61,9 @@ class TrainingBatch(eqx.Module):
             outside the mask. ``None`` (a batch made by hand): token mean per micro-batch.
         token_weight: float32, ``loss_mask / (response tokens of the step)``: per-token metrics
             are reported as means with it.
+        token_rewards: ``None``, or (for value-based losses, which ask for them) float32: the
+            reward of the token predicted at each masked position (``Rollout.dense_rewards``:
+            each turn's reward on its last sampled token, unless the env gave per-token ones).
 
     Losses pass ``segment_ids`` and ``position_ids`` on to
     :func:`~marin_rl_core.models.logprobs.next_token_logprobs_and_entropy` (``batch_logprobs_and_entropy``
@@ -76,6 +79,7 @@ class TrainingBatch(eqx.Module):
     position_ids: NamedArray | None = None
     loss_weight: NamedArray | None = None
     token_weight: NamedArray | None = None
+    token_rewards: NamedArray | None = None
 
     @property
     def Batch(self) -> Axis:
@@ -109,6 +113,7 @@ def training_batch_from_rollouts(
     row_multiple: int = 1,
     trim: bool = False,
     aggregation: str | tuple[str, int] = "token_mean",
+    token_rewards: bool = False,
 ) -> TrainingBatch:
     """Build a :class:`TrainingBatch` from rollouts and one advantage per rollout.
 
@@ -135,6 +140,7 @@ def training_batch_from_rollouts(
         aggregation: the loss's (``RLLossModule.aggregation``): ``loss_weight`` weighs each
             token by it over the whole batch; the ``L`` of ``"sum_over_length"`` is 0 for
             ``max_seq_len``.
+        token_rewards: fill ``TrainingBatch.token_rewards`` (a value-based loss asks for them).
     """
     advantages = np.asarray(advantages, dtype=np.float32).reshape(-1)
     if advantages.shape[0] != len(rollouts):
@@ -180,6 +186,7 @@ def training_batch_from_rollouts(
     positions = np.zeros((n, max_seq_len), dtype=np.int32)
     token_temps = np.ones((n, max_seq_len), dtype=np.float32)
     loss_weight = np.zeros((n, max_seq_len), dtype=np.float32)
+    rewards = np.zeros((n, max_seq_len), dtype=np.float32) if token_rewards else None
     for row, members in enumerate(layout):
         start = 0
         for segment, i in enumerate(members):
@@ -193,6 +200,8 @@ def training_batch_from_rollouts(
             loss_mask[row, predicting] = mask
             token_advantages[row, predicting] = mask * advantages[i]
             loss_weight[row, predicting] = mask * rollout_weight[i]
+            if rewards is not None:
+                rewards[row, predicting] = mask * rollout.dense_rewards()[1:length]
             behaviour[row, predicting] = np.where(mask > 0, rollout.logprobs[1:length], 0.0)
             if pack:  # one rollout per row needs neither: its row is its segment
                 segments[row, span] = segment
@@ -222,6 +231,7 @@ def training_batch_from_rollouts(
         position_ids=position_ids,
         loss_weight=named(loss_weight),
         token_weight=named(loss_mask / np.float32(step_tokens)),
+        token_rewards=None if rewards is None else named(rewards),
     )
 
 
