@@ -110,6 +110,12 @@ class RLLossModule(Protocol):
     ``model.max_seq_len``); ``"token_mean"`` when absent (:mod:`marin_rl_core.learner.loss`).
     Optional attribute ``needs_token_rewards``: ``True`` fills ``TrainingBatch.token_rewards``
     (per-token rewards, for value-based losses such as GAE).
+
+    Optional method ``init_state(policy, *, key) -> eqx.Module | None``: trainable state of the
+    loss's own (a critic). The trainer then trains ``TrainedModel(policy, loss_state)``
+    (:mod:`marin_rl_core.learner.loss`), checkpoints both, publishes and exports the policy
+    alone, and passes the whole to the loss function; the state learns at the module's
+    ``state_learning_rate`` (``None``: the policy's).
     """
 
     @property

@@ -259,7 +259,7 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any, h
     import jax
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.learner.loss import TokenLoss
+    from marin_rl_core.learner.loss import TokenLoss, TrainedModel
     from marin_rl_core.learner.step import plugin_loss_fn
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
@@ -270,9 +270,14 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any, h
     model = build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
     reference = model if loss.needs_reference_model else None
     module = loss.build(reference)
+    if callable(getattr(module, "init_state", None)):
+        state = module.init_state(model, key=jax.random.PRNGKey(2))
+        if state is not None:  # what the trainer trains then: the policy and the loss's state
+            model = TrainedModel(policy=model, loss_state=state)
     batch = training_batch_from_rollouts(
-        group.rollouts, advantages, config.max_seq_len, 0, aggregation=how
-    )
+        group.rollouts, advantages, config.max_seq_len, 0, aggregation=how,
+        token_rewards=bool(getattr(module, "needs_token_rewards", False)),
+    )  # fmt: skip
     out = module.create_loss_fn(reference, model)(model, batch, key=jax.random.PRNGKey(1))
     if isinstance(out, TokenLoss):
         shape = batch.loss_mask.array.shape

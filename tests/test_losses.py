@@ -12,7 +12,7 @@ from marin_rl_plugins.grpo import GRPOConfig, GRPOLoss, grpo_advantages
 
 from marin_rl_core import Rollout, RolloutGroup, build_registry
 from marin_rl_core.config import resolve_config
-from marin_rl_core.learner.loss import aggregate, reward_to_go, sequence_mean
+from marin_rl_core.learner.loss import aggregate, as_named, reward_to_go, sequence_mean
 from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, policy_gradient_loss
 from marin_rl_core.learner.step import Learner, plugin_loss_fn
 from marin_rl_core.learner.training_batch import training_batch_from_rollouts
@@ -332,3 +332,139 @@ def test_gae_matches_a_loop_over_each_rollouts_actions(gamma, lam, packed):
     want_a, want_r = gae_loop(rewards, values, mask, seq, gamma, lam)
     np.testing.assert_allclose(np.asarray(got_a), want_a, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(got_r), want_r, rtol=1e-5, atol=1e-5)
+
+
+# --- ppo -----------------------------------------------------------------------------------------
+
+
+def tiny_policy():
+    from marin_rl_core.config import ModelConfig
+    from marin_rl_core.models.build import build_model
+    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+
+    config = ModelConfig(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2,
+                         num_kv_heads=2, max_seq_len=24)  # fmt: skip
+    return build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
+
+
+def rewarded_batch(packed: bool, aggregation):
+    rs = rollouts(6, seed=9)
+    return training_batch_from_rollouts(
+        rs, np.zeros(6), 24, 0, batch_size=6, pack=packed, aggregation=aggregation,
+        token_rewards=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("critic", ["head", "model"])
+def test_ppo_is_the_objective_on_gae_advantages_plus_the_value_loss(critic, packed):
+    from marin_rl_plugins.ppo import PPOConfig, PPOLoss
+
+    from marin_rl_core.learner.loss import TrainedModel, step_loss
+    from marin_rl_core.learner.training_batch import (
+        batch_hidden_states,
+        batch_logprobs_and_entropy,
+    )
+
+    config = PPOConfig(kl_coef=0.0, gamma=0.9, lam=0.8, vf_coef=0.5, critic=critic)
+    loss = PPOLoss(config)
+    policy = tiny_policy()
+    state = loss.init_state(policy, key=jax.random.PRNGKey(1))
+    # A critic that is not all zeros, so values, GAE and the value loss all matter.
+    head = eqx.tree_at(lambda h: (h.weight, h.bias), state.head,
+                       (state.head.weight + 0.3, state.head.bias + 0.2))  # fmt: skip
+    model = TrainedModel(policy=policy, loss_state=eqx.tree_at(lambda s: s.head, state, head))
+    batch = rewarded_batch(packed, loss.aggregation)
+    got, metrics = step_loss(loss.create_loss_fn(None, model), model, batch)
+
+    logp, ent, hidden = batch_logprobs_and_entropy(policy, batch, with_hidden=True)
+    if critic == "model":
+        hidden = batch_hidden_states(model.loss_state.trunk, batch)
+    h = np.asarray(hidden.array, np.float64)
+    values = h @ np.asarray(head.weight.array, np.float64) + float(head.bias)
+    mask = np.asarray(batch.loss_mask.array, np.float64)
+    seq = sequences_of(batch)
+    rewards = np.asarray(batch.token_rewards.array, np.float64)
+    assert rewards.sum() > 0, "the fixture should have some reward"
+    advantages, returns = gae_loop(rewards, values, mask, seq, config.gamma, config.lam)
+    gae_batch = eqx.tree_at(
+        lambda b: b.advantages,
+        batch,
+        as_named(jnp.asarray(advantages, jnp.float32), batch.advantages),
+    )
+    policy_part, _, _ = reference_objective(
+        config, gae_batch, np.asarray(logp.array), np.asarray(ent.array), None, 24
+    )
+    weights = reference_weights(mask, seq, config.aggregation, 24)
+    value_part = (weights * 0.5 * (values - returns) ** 2).sum()
+    assert float(got) == pytest.approx(policy_part + config.vf_coef * value_part, rel=1e-4)
+    assert float(metrics["value_loss"]) == pytest.approx(
+        (mask * 0.5 * (values - returns) ** 2).sum() / mask.sum(), rel=1e-4
+    )
+    assert float(metrics["vf_clipfrac"]) == 0.0  # one update per batch: V_old is V
+
+
+def test_a_ppo_checkpoint_restores_the_critic_and_its_optimizer_state_exactly(tmp_path):
+    """The critic trains with the policy, is saved with it and comes back whole; only the
+    policy is what rollout workers and exports see."""
+    from marin_rl_core import build_registry
+    from marin_rl_core.config import resolve_config
+    from marin_rl_core.learner.checkpoint import load_model, save_checkpoint
+    from marin_rl_core.learner.loss import TrainedModel, policy_of
+
+    registry = build_registry()
+    config = resolve_config(
+        registry, selections={"env": "mock", "loss": "ppo"},
+        overrides=["trainer.batch_size=6", "sampling.n_generations_per_prompt=2",
+                   "model.max_seq_len=24", "loss.kl_coef=0.0",
+                   "loss.critic_learning_rate=0.01"],
+    )  # fmt: skip
+    tok = model_tokenizer(config.model)
+    policy = initial_model(config, tok)
+    module = registry.get("loss", "ppo").build(config.loss.config)
+    model = TrainedModel(
+        policy=policy, loss_state=module.init_state(policy, key=jax.random.PRNGKey(1))
+    )
+    learner = Learner(config.trainer)
+    learner.set_loss(plugin_loss_fn(module), state_learning_rate=module.state_learning_rate)
+    state = learner.init_state(model, key=jax.random.PRNGKey(0))
+    for _ in range(3):
+        state, loss, _ = learner.step(state, rewarded_batch(False, module.aggregation))
+    head = state.model.loss_state.head
+    assert np.abs(np.asarray(head.weight.array)).sum() > 0, "the critic did not train"
+    save_checkpoint(tmp_path, 3, trainer_state=state, state={})
+    path = next((tmp_path / "checkpoints").glob("step-*"))
+    restored = learner.restore(path, learner.state_shapes(model, key=jax.random.PRNGKey(0)))
+    saved_leaves = jax.tree.leaves(eqx.filter((state.model, state.opt_state), eqx.is_array))
+    restored_leaves = jax.tree.leaves(
+        eqx.filter((restored.model, restored.opt_state), eqx.is_array)
+    )
+    assert len(saved_leaves) == len(restored_leaves)
+    for a, b in zip(saved_leaves, restored_leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The export's reader sees the policy alone.
+    alone = load_model(path, initial_model(config, tok))
+    np.testing.assert_array_equal(
+        np.asarray(alone.embeddings.token_embeddings.weight.array),
+        np.asarray(policy_of(state.model).embeddings.token_embeddings.weight.array),
+    )
+
+
+def test_a_ppo_run_trains_its_critic_resumes_and_exports_the_policy(cli, tiny_mock_job, tmp_path):
+    """Through ``marinrl run``: the critic is checkpointed beside the policy, a resumed run
+    goes on with it, and the export is the policy alone."""
+    from marin_rl_core.metrics import read_metrics
+
+    common = [*tiny_mock_job, "--loss", "ppo", "--set", f'run_dir="{tmp_path}"',
+              "--set", "trainer.checkpoint_interval_steps=3"]  # fmt: skip
+    first = cli("run", *common, "--set", "trainer.num_train_steps=3", "--run-id", "ppo")
+    assert first.exit_code == 0, first.output
+    assert (tmp_path / "ppo" / "checkpoints" / "step-000003" / "model" / "loss_state").is_dir()
+    again = cli("run", "--resume", str(tmp_path / "ppo"), "--set", "trainer.num_train_steps=5")
+    assert again.exit_code == 0, again.output
+    train = [r for r in read_metrics(tmp_path / "ppo") if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
+    assert all("value_loss" in r and "vf_clipfrac" in r for r in train)
+    export = cli("export", str(tmp_path / "ppo"), str(tmp_path / "hf"))
+    assert export.exit_code == 0, export.output
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

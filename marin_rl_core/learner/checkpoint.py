@@ -219,8 +219,9 @@ def load_trainer_state(
 
 
 def load_model(checkpoint: str | Path, like: Any) -> Any:
-    """Read only a checkpoint's model into ``like`` (a model of the same structure), replicated
-    on this process's devices."""
+    """Read only a checkpoint's policy into ``like`` (a model of the same structure), replicated
+    on this process's devices. A checkpoint of a loss with trainable state keeps the policy
+    beside it (``model/policy``); the loss's state is not read."""
     import haliax as hax
     import levanter.checkpoint
 
@@ -231,7 +232,7 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
         return levanter.checkpoint.load_checkpoint(
             like,
             str(checkpoint),
-            subpath="model",
+            subpath="model/policy" if (Path(checkpoint) / "model" / "policy").is_dir() else "model",
             discover_latest=False,
             axis_mapping={},
             mesh=mesh,

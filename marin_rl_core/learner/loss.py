@@ -56,6 +56,47 @@ class TokenLoss(eqx.Module):
     scalars: dict[str, Any] = eqx.field(default_factory=dict)
 
 
+class TrainedModel(eqx.Module):
+    """What the trainer trains when the loss has trainable state of its own
+    (``RLLossModule.init_state``: a critic): the policy and that state, optimised, sharded and
+    checkpointed together. Only ``policy`` is published to rollout workers, evaluated and
+    exported; the loss function receives the whole."""
+
+    policy: Any
+    loss_state: Any
+
+
+class ValueHead(eqx.Module):
+    """A linear value head: ``V = hidden . weight + bias`` in float32, ``[..., position]`` from
+    hidden states ``[..., position, embed]``. Starts at zero (every value 0)."""
+
+    weight: NamedArray
+    bias: jax.Array
+
+    @staticmethod
+    def init(embed: hax.Axis) -> ValueHead:
+        return ValueHead(
+            weight=hax.zeros(embed, dtype=jnp.float32), bias=jnp.zeros((), jnp.float32)
+        )
+
+    def __call__(self, hidden: NamedArray) -> jax.Array:
+        h = hidden.astype(jnp.float32)
+        return hax.dot(h, self.weight, axis=self.weight.axes[0]).array + self.bias
+
+
+class Critic(eqx.Module):
+    """A value function as trainable loss state: ``head`` on the policy's own hidden states
+    (``trunk`` None), or on a separate ``trunk`` model's."""
+
+    trunk: Any
+    head: ValueHead
+
+
+def policy_of(model: Any) -> Any:
+    """The policy of what the trainer trains (``model`` itself without loss state)."""
+    return model.policy if isinstance(model, TrainedModel) else model
+
+
 def aggregate(out: TokenLoss, batch: Any) -> tuple[jax.Array, dict[str, Any]]:
     """``(loss, metrics)`` of a :class:`TokenLoss` on ``batch`` (a micro-batch of the step):
     weighted sums with the batch's step-wide weights. The metrics are levanter ``Metric``s."""
@@ -222,12 +263,16 @@ def as_named(values: jax.Array, like: NamedArray) -> NamedArray:
 __all__ = [
     "AGGREGATIONS",
     "TokenLoss",
+    "TrainedModel",
+    "ValueHead",
+    "Critic",
     "aggregate",
     "as_named",
     "gae",
     "kl_penalty",
     "masked_max",
     "masked_min",
+    "policy_of",
     "reward_to_go",
     "sequence_mean",
     "step_loss",

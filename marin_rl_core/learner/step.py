@@ -64,17 +64,49 @@ def make_schedule(t: TrainerConfig) -> Any:
     )
 
 
-def make_optimizer(t: TrainerConfig) -> Any:
-    """AdamW on :func:`make_schedule`, after global-norm clipping (if ``max_grad_norm > 0``)."""
+def make_optimizer(t: TrainerConfig, *, state_learning_rate: float | None = None) -> Any:
+    """AdamW on :func:`make_schedule`, after global-norm clipping (if ``max_grad_norm > 0``).
+
+    With ``state_learning_rate`` (a loss with trainable state: the model trained is a
+    :class:`~marin_rl_core.learner.loss.TrainedModel`), the loss's state gets AdamW of its own
+    at that peak learning rate, on the same schedule shape."""
+    import attrs
     import optax
+
+    def adamw(config: TrainerConfig) -> Any:
+        return optax.adamw(
+            make_schedule(config), b1=0.9, b2=0.99, eps=t.adam_eps, weight_decay=t.weight_decay
+        )
 
     parts = []
     if t.max_grad_norm > 0:
         parts.append(optax.clip_by_global_norm(t.max_grad_norm))
-    parts.append(
-        optax.adamw(make_schedule(t), b1=0.9, b2=0.99, eps=t.adam_eps, weight_decay=t.weight_decay)
-    )
+    if state_learning_rate is None:
+        parts.append(adamw(t))
+    else:
+        parts.append(
+            optax.multi_transform(
+                {
+                    "policy": adamw(t),
+                    "loss_state": adamw(attrs.evolve(t, learning_rate=state_learning_rate)),
+                },
+                _param_labels,
+            )
+        )
     return optax.chain(*parts)
+
+
+def _param_labels(params: Any) -> Any:
+    import jax
+
+    from marin_rl_core.learner.loss import TrainedModel
+
+    if not isinstance(params, TrainedModel):
+        return jax.tree.map(lambda _: "policy", params)
+    return TrainedModel(
+        policy=jax.tree.map(lambda _: "policy", params.policy),
+        loss_state=jax.tree.map(lambda _: "loss_state", params.loss_state),
+    )
 
 
 def _metric(name: str, value: Any) -> Any:
@@ -316,21 +348,34 @@ class Learner:
                 for name in ("embed", "vocab")
             )
         self.compute_axis_mapping = self.levanter_config.compute_axis_mapping
+        self.config = config
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None
         self._frozen: dict[str, Any] = {}
 
-    def set_loss(self, loss_fn: Callable[..., Any], *, reference: Any = None) -> None:
+    def set_loss(
+        self,
+        loss_fn: Callable[..., Any],
+        *,
+        reference: Any = None,
+        state_learning_rate: float | None = None,
+    ) -> None:
         """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` from now on.
 
         With a ``reference`` (a frozen model placed by :meth:`shard`), every step calls
         ``loss_fn(model, batch, *, key, reference=reference)``: the reference enters the compiled
         step as a sharded argument. A loss function that closed over it instead would compile
         all of its weights into the step as constants (gigabytes for a real model, in every
-        compiled shape and in the compile cache's key, beside the sharded copy)."""
+        compiled shape and in the compile cache's key, beside the sharded copy).
+
+        ``state_learning_rate``: the model trained will be a
+        :class:`~marin_rl_core.learner.loss.TrainedModel` whose loss state learns at this rate
+        (:func:`make_optimizer`)."""
         from levanter.callbacks.watch import WatchCallback
 
         self._frozen = {} if reference is None else {"reference": reference}
+        if state_learning_rate is not None:
+            self.optimizer = make_optimizer(self.config, state_learning_rate=state_learning_rate)
         self.trainer = _levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )

@@ -39,6 +39,7 @@ from marin_rl_core.learner.checkpoint import (
     read_state,
     save_checkpoint,
 )
+from marin_rl_core.learner.loss import TrainedModel, policy_of
 from marin_rl_core.learner.step import Learner, all_finite, make_schedule, plugin_loss_fn
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
@@ -160,7 +161,19 @@ class Trainer:
                 )
             )
         self.loss = loss.build(reference)
-        self.learner.set_loss(plugin_loss_fn(self.loss), reference=reference)
+        loss_state = None
+        if callable(getattr(self.loss, "init_state", None)):
+            loss_state = self.loss.init_state(model, key=jax.random.PRNGKey(config.seed + 2))
+        state_lr = None
+        if loss_state is not None:
+            # A critic (or other trainable loss state): trained, sharded and checkpointed
+            # with the policy; never published or exported.
+            model = TrainedModel(policy=model, loss_state=loss_state)
+            state_lr = getattr(self.loss, "state_learning_rate", None)
+            state_lr = config.trainer.learning_rate if state_lr is None else float(state_lr)
+        self.learner.set_loss(
+            plugin_loss_fn(self.loss), reference=reference, state_learning_rate=state_lr
+        )
         self._schedule = make_schedule(config.trainer)
         key = jax.random.PRNGKey(config.seed + 1)
         if checkpoints_newest_first(self.run_dir):
@@ -258,7 +271,7 @@ class Trainer:
     @property
     def model(self) -> Any:
         """The current policy (parameters in the precision policy's parameter dtype)."""
-        return self.state.model
+        return policy_of(self.state.model)
 
     # --- control ------------------------------------------------------------------------------
 
@@ -274,7 +287,7 @@ class Trainer:
 
             self._enter("publishing weights")
             self.weight_server.publish(
-                cast_floating(self.state.model, self.config.model.resolved_inference_dtype),
+                cast_floating(self.model, self.config.model.resolved_inference_dtype),
                 weight_step=self.step,
             )
             self._published_step = self.step

@@ -261,11 +261,12 @@ def _rollout_weights(
 
 
 def batch_logprobs_and_entropy(
-    model: Any, batch: TrainingBatch, *, key: Any = None
-) -> tuple[NamedArray, NamedArray]:
+    model: Any, batch: TrainingBatch, *, key: Any = None, with_hidden: bool = False
+) -> Any:
     """:func:`~marin_rl_core.models.logprobs.next_token_logprobs_and_entropy` of ``batch`` at its
     temperature, packed rows kept apart: what a loss plugin calls. Both are differentiable: an
-    entropy bonus (``- coef * entropy`` in the loss) trains the policy."""
+    entropy bonus (``- coef * entropy`` in the loss) trains the policy. ``with_hidden`` adds
+    the final hidden states ``[batch, position, embed]`` (for a value head)."""
     return next_token_logprobs_and_entropy(
         model,
         batch.input_ids,
@@ -273,11 +274,24 @@ def batch_logprobs_and_entropy(
         key=key,
         segment_ids=batch.segment_ids,
         position_ids=batch.position_ids,
+        with_hidden=with_hidden,
     )
+
+
+def batch_hidden_states(model: Any, batch: TrainingBatch, *, key: Any = None) -> NamedArray:
+    """``model``'s final hidden states ``[batch, position, embed]`` of ``batch``, packed rows
+    kept apart (what a separate critic model reads; no LM head)."""
+    from levanter.layers.attention import AttentionMask
+
+    mask = AttentionMask.causal()
+    if batch.segment_ids is not None:
+        mask = mask.with_segment_ids(batch.segment_ids)
+    return model.activations(batch.input_ids, attn_mask=mask, key=key, pos_ids=batch.position_ids)
 
 
 __all__ = [
     "TrainingBatch",
+    "batch_hidden_states",
     "batch_logprobs_and_entropy",
     "padded_fraction",
     "training_batch_from_rollouts",

@@ -189,7 +189,8 @@ def next_token_logprobs_and_entropy(
     block_tokens: int | None = None,
     segment_ids: NamedArray | None = None,
     position_ids: NamedArray | None = None,
-) -> tuple[NamedArray, NamedArray]:
+    with_hidden: bool = False,
+) -> Any:
     """Per-position logprob of the next token and entropy of the next-token distribution.
 
     The logits are computed block by block of positions across all rows (``block_tokens``
@@ -212,6 +213,8 @@ def next_token_logprobs_and_entropy(
             :func:`marin_rl_core.learner.training_batch.training_batch_from_rollouts`).
         position_ids: int ``[..., position]``, each token's position within its segment (the
             rotary embedding's position); ``None`` counts from the start of the row.
+        with_hidden: also return the final hidden states ``[..., position, embed]`` (what a
+            value head on the policy's trunk reads; no second forward pass).
 
     Returns:
         ``(logprobs, entropy)``, both float32 ``[..., position]``: ``logprobs[t] = log p(x[t+1] |
@@ -294,7 +297,8 @@ def next_token_logprobs_and_entropy(
     token_logprobs = hax.named(token_logprobs, input_ids.axes)
     entropy = hax.named(entropy, input_ids.axes)
     not_last = hax.arange(pos) < pos.size - 1
-    return hax.where(not_last, token_logprobs, 0.0), hax.where(not_last, entropy, 0.0)
+    out = hax.where(not_last, token_logprobs, 0.0), hax.where(not_last, entropy, 0.0)
+    return (*out, hidden) if with_hidden else out
 
 
 def next_token_logprobs(
