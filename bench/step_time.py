@@ -1,8 +1,8 @@
 """Learner step time and peak memory against a plain levanter cross-entropy step of the same
 shape, and rollout tokens/s against a bare levanter ``InferenceEngine`` loop.
 
-Targets (issues 3 and 8): the RL step costs at most 1.3x a cross-entropy step of the same batch
-shape, plus one reference-model forward when the loss uses a KL penalty, and needs at most 1.2x
+Targets (issues 3, 8 and 26): the RL step costs at most 1.3x a cross-entropy step of the same
+batch shape (``ppo``, with its critic, 1.6x), plus one reference-model forward when the loss uses a KL penalty, and needs at most 1.2x
 its peak memory. The cross-entropy step is levanter's own ``compute_next_token_loss`` (blockwise
 over the vocabulary, 32,768 tokens a block, when the vocabulary is larger than that, as one would
 train a Qwen-sized vocabulary). Everything is measured side by side in this one process with the
@@ -11,7 +11,7 @@ machinery with the run's mesh and precision policy); peak memory is XLA's own fi
 compiled step (temporaries, arguments and outputs).
 
     python bench/step_time.py [--repeats 30] [--set trainer.batch_size=256 ...]
-    python bench/step_time.py --losses rloo grpo   # each loss against its own CE step
+    python bench/step_time.py --losses rloo grpo ppo   # each loss against its own CE step
     # a small Qwen3-shaped checkpoint with Qwen's real 151,936-token vocabulary:
     python bench/step_time.py --hf-vocab 151936 --set trainer.batch_size=64
 """
@@ -68,7 +68,11 @@ def main() -> None:
 
     registry = build_registry()
     # The rollout figure compares marinrl's wrapper of levanter's engine with a bare engine loop.
-    config = resolve_config(registry, overrides=['model.inference_engine="paged"', *args.overrides])
+    config = resolve_config(
+        registry,
+        selections={"loss": args.losses[0]} if args.losses else {},
+        overrides=['model.inference_engine="paged"', *args.overrides],
+    )
     tokenizer = model_tokenizer(config.model)
     model = initial_model(config, tokenizer)
     lesson = config.curriculum.lessons[0]
@@ -86,9 +90,8 @@ def main() -> None:
             selections={"loss": name},
             overrides=['model.inference_engine="paged"', *args.overrides],
         )
-        aggregation = getattr(
-            registry.get("loss", name).build(loss_config.loss.config), "aggregation", "token_mean"
-        )
+        module = registry.get("loss", name).build(loss_config.loss.config)
+        aggregation = getattr(module, "aggregation", "token_mean")
         tb = training_batch_from_rollouts(
             rollouts,
             advantages,
@@ -97,6 +100,7 @@ def main() -> None:
             temperature=sampling.temperature,
             batch_size=size,
             aggregation=aggregation,
+            token_rewards=bool(getattr(module, "needs_token_rewards", False)),
         )
         step_figures = compare_steps(loss_config, registry, model, tb, repeats=args.repeats)
         print_step_figures(loss_config, step_figures)
@@ -297,14 +301,23 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     reference = None
     if loss_module.needs_reference_model:
         reference = rl_learner.shard(rl_learner.mp.cast_to_compute(copy(model)))
-    rl_learner.set_loss(plugin_loss_fn(loss_module.build(reference)), reference=reference)
+    loss_module = loss_module.build(reference)
+    rl_model, state_lr = model, None
+    if callable(getattr(loss_module, "init_state", None)):  # a critic: trained with the policy
+        from marin_rl_core.learner.loss import TrainedModel
+
+        rl_model = TrainedModel(model, loss_module.init_state(model, key=jax.random.PRNGKey(2)))
+        state_lr = loss_module.state_learning_rate or config.trainer.learning_rate
+    rl_learner.set_loss(
+        plugin_loss_fn(loss_module), reference=reference, state_learning_rate=state_lr
+    )
     ce_learner = Learner(config.trainer, hf_checkpoint=hf)
     ce_learner.set_loss(ce_loss)
 
     rl_times, ce_times, ce_mem, rl_mem, constants = [], [], [], [], []
     for _ in range(rounds):
         ce_times += timed(ce_learner, ce_model, memory=ce_mem)
-        rl_times += timed(rl_learner, model, memory=rl_mem)
+        rl_times += timed(rl_learner, rl_model, memory=rl_mem)
     fwd_times = timed_forward() if reference is not None else [0.0]
     return {
         "sizes": rl_learner.sizes,
