@@ -61,6 +61,7 @@ def main() -> None:
 
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
+    from marin_rl_core.learner.loss import batch_options
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import initial_model
     from marin_rl_core.models.tokenizer import model_tokenizer
@@ -91,7 +92,6 @@ def main() -> None:
             overrides=['model.inference_engine="paged"', *args.overrides],
         )
         module = registry.get("loss", name).build(loss_config.loss.config)
-        aggregation = getattr(module, "aggregation", "token_mean")
         tb = training_batch_from_rollouts(
             rollouts,
             advantages,
@@ -99,8 +99,7 @@ def main() -> None:
             tokenizer.pad_id,
             temperature=sampling.temperature,
             batch_size=size,
-            aggregation=aggregation,
-            token_rewards=bool(getattr(module, "needs_token_rewards", False)),
+            **batch_options(module),
         )
         step_figures = compare_steps(loss_config, registry, model, tb, repeats=args.repeats)
         print_step_figures(loss_config, step_figures)
@@ -230,6 +229,7 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     import jax.numpy as jnp
     from levanter.models.lm_model import LmExample, compute_next_token_loss
 
+    from marin_rl_core.learner.loss import with_loss_state
     from marin_rl_core.learner.step import Learner, plugin_loss_fn
     from marin_rl_core.models.logprobs import next_token_logprobs
 
@@ -302,12 +302,10 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     if loss_module.needs_reference_model:
         reference = rl_learner.shard(rl_learner.mp.cast_to_compute(copy(model)))
     loss_module = loss_module.build(reference)
-    rl_model, state_lr = model, None
-    if callable(getattr(loss_module, "init_state", None)):  # a critic: trained with the policy
-        from marin_rl_core.learner.loss import TrainedModel
-
-        rl_model = TrainedModel(model, loss_module.init_state(model, key=jax.random.PRNGKey(2)))
-        state_lr = loss_module.state_learning_rate or config.trainer.learning_rate
+    # A critic, when the loss has one, is trained with the policy.
+    rl_model, state_lr = with_loss_state(
+        loss_module, model, key=jax.random.PRNGKey(2), learning_rate=config.trainer.learning_rate
+    )
     rl_learner.set_loss(
         plugin_loss_fn(loss_module), reference=reference, state_learning_rate=state_lr
     )

@@ -251,16 +251,15 @@ def check_loss(record: LossPlugin) -> None:
     how = getattr(loss, "aggregation", "token_mean")
     name = how if isinstance(how, str) else how[0]
     assert name in protocols.LOSS_AGGREGATIONS, f"aggregation {how!r}"
-    _check_loss_fn(record.name, loss, group, adv, how)
+    _check_loss_fn(record.name, loss, group, adv)
 
 
-def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any, how: Any) -> None:
+def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -> None:
     import equinox as eqx
     import jax
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.learner.loss import TokenLoss, TrainedModel
-    from marin_rl_core.learner.step import plugin_loss_fn
+    from marin_rl_core.learner.loss import TokenLoss, batch_options, step_loss, with_loss_state
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
@@ -270,24 +269,21 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any, h
     model = build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
     reference = model if loss.needs_reference_model else None
     module = loss.build(reference)
-    if callable(getattr(module, "init_state", None)):
-        state = module.init_state(model, key=jax.random.PRNGKey(2))
-        if state is not None:  # what the trainer trains then: the policy and the loss's state
-            model = TrainedModel(policy=model, loss_state=state)
+    # What the trainer trains: the policy, with the loss's own state when it has some.
+    model, _ = with_loss_state(module, model, key=jax.random.PRNGKey(2), learning_rate=1e-3)
     batch = training_batch_from_rollouts(
-        group.rollouts, advantages, config.max_seq_len, 0, aggregation=how,
-        token_rewards=bool(getattr(module, "needs_token_rewards", False)),
-    )  # fmt: skip
+        group.rollouts, advantages, config.max_seq_len, 0, **batch_options(module)
+    )
     out = module.create_loss_fn(reference, model)(model, batch, key=jax.random.PRNGKey(1))
     if isinstance(out, TokenLoss):
         shape = batch.loss_mask.array.shape
         assert out.loss.array.shape == shape, f"loss {name!r}: per-token loss of shape {shape}"
         for metric, value in out.metrics.items():
             assert value.array.shape == shape, f"loss {name!r}: metric {metric!r} is not per token"
-    step = plugin_loss_fn(module)
 
     def value(m: Any) -> Any:
-        return step(m, batch, key=jax.random.PRNGKey(1), reference=reference)[0]
+        loss_fn = module.create_loss_fn(reference, m)
+        return step_loss(loss_fn, m, batch, key=jax.random.PRNGKey(1))[0]
 
     total, grads = eqx.filter_value_and_grad(value)(model)
     assert np.isfinite(float(total)), f"loss {name!r}: the loss is {float(total)}"

@@ -22,7 +22,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, hookimpl
+from marin_rl_core import LossPlugin, hookimpl, one_of
 from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, PolicyGradientLoss
 from marin_rl_core.protocols import LOSS_AGGREGATIONS
 
@@ -36,11 +36,11 @@ class GRPOConfig(PolicyGradientConfig):
     """
 
     advantage_norm: str = attrs.field(
-        default="group_mean_std", validator=attrs.validators.in_(ADVANTAGE_NORMS)
+        default="group_mean_std", validator=one_of(*ADVANTAGE_NORMS)
     )
     kl_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
     aggregation: str = attrs.field(
-        default="sequence_mean", validator=attrs.validators.in_(LOSS_AGGREGATIONS)
+        default="sequence_mean", validator=one_of(*LOSS_AGGREGATIONS)
     )
 
 

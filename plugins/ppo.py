@@ -32,7 +32,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, hookimpl
+from marin_rl_core import LossPlugin, hookimpl, one_of
 from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, PolicyGradientLoss
 
 
@@ -53,7 +53,7 @@ class PPOConfig(PolicyGradientConfig):
     lam: float = attrs.field(
         default=0.95, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)]
     )
-    critic: str = attrs.field(default="head", validator=attrs.validators.in_(("head", "model")))
+    critic: str = attrs.field(default="head", validator=one_of("head", "model"))
     critic_learning_rate: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     vf_coef: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
     vf_clip: float = attrs.field(default=0.2, validator=attrs.validators.gt(0.0))
@@ -89,7 +89,7 @@ class PPOLoss(PolicyGradientLoss):
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.learner.loss import as_named, gae, token_mean
+        from marin_rl_core.learner.loss import TokenLoss, as_named, gae, token_mean
         from marin_rl_core.learner.policy_gradient import policy_gradient_loss
         from marin_rl_core.learner.training_batch import (
             batch_hidden_states,
@@ -141,7 +141,7 @@ class PPOLoss(PolicyGradientLoss):
                 return_mean=as_named(returns, like),
                 advantage_mean=as_named(advantages, like),
             )
-            return type(out)(
+            return TokenLoss(
                 loss=out.loss + c.vf_coef * as_named(value_loss, like),
                 metrics=metrics,
                 scalars=out.scalars,

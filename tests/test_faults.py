@@ -607,6 +607,24 @@ def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_pat
     assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
 
 
+def test_a_loss_that_drops_every_group_stops_the_job_naming_the_option(
+    cli, tiny_mock_job, tmp_path
+):
+    """grpo with drop_zero_variance_groups and one sample per problem: every group is dropped,
+    the workers regenerate in vain, and the watchdog stops the job (exit 12) saying which
+    option does it, not a bare "no step completed"."""
+    result = cli(
+        "run", *tiny_mock_job, "--loss", "grpo", "--set", "sampling.n_prompts=32",
+        "--set", "sampling.n_generations_per_prompt=1",
+        "--set", "loss.drop_zero_variance_groups=true", "--set", "faults.stall_timeout_s=15",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "dropped",
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.STALLED, result.output
+    said = " ".join(result.output.split())
+    assert "the loss dropped every group that arrived" in said
+    assert "loss.drop_zero_variance_groups" in said and "Traceback" not in result.output
+
+
 BROKEN_ENV = """
 import threading
 

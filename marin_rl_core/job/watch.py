@@ -334,6 +334,15 @@ class Watch:
                 f"writing to rollout storage keeps failing ({totals['write_errors']} errors, "
                 "retried with backoff): the rollout workers' logs name the error"
             )
+        elif diag.get("dropped_by_loss") and not diag.get("rollouts_in_buffer"):
+            cause = (
+                f"the loss dropped every group that arrived ({diag['dropped_by_loss']} "
+                "rollouts): within each group the rewards are all equal "
+                "(loss.drop_zero_variance_groups): every sample of a problem succeeds or every "
+                "one fails, or a group has one sample. Turn it off, raise "
+                "sampling.n_generations_per_prompt, or start from lessons the policy solves "
+                "some of the time"
+            )
         elif diag.get("dropped_stale"):
             cause = (
                 "rollouts arrive too stale for the trainer: raise "

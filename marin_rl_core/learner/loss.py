@@ -92,6 +92,30 @@ class Critic(eqx.Module):
     head: ValueHead
 
 
+def with_loss_state(
+    module: Any, policy: Any, *, key: jax.Array, learning_rate: float
+) -> tuple[Any, float | None]:
+    """What the trainer trains for loss ``module``: ``(policy, None)``, or, when the module's
+    optional ``init_state`` gives trainable state, ``(TrainedModel(policy, state), the state's
+    learning rate)`` (the module's ``state_learning_rate``, else ``learning_rate``)."""
+    init = getattr(module, "init_state", None)
+    state = init(policy, key=key) if callable(init) else None
+    if state is None:
+        return policy, None
+    rate = getattr(module, "state_learning_rate", None)
+    return TrainedModel(policy=policy, loss_state=state), float(rate or learning_rate)
+
+
+def batch_options(module: Any) -> dict[str, Any]:
+    """The arguments of
+    :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts` that loss
+    ``module`` decides (its optional ``aggregation`` and ``needs_token_rewards``)."""
+    return {
+        "aggregation": getattr(module, "aggregation", "token_mean"),
+        "token_rewards": bool(getattr(module, "needs_token_rewards", False)),
+    }
+
+
 def policy_of(model: Any) -> Any:
     """The policy of what the trainer trains (``model`` itself without loss state)."""
     return model.policy if isinstance(model, TrainedModel) else model
@@ -268,6 +292,7 @@ __all__ = [
     "Critic",
     "aggregate",
     "as_named",
+    "batch_options",
     "gae",
     "kl_penalty",
     "masked_max",
@@ -277,4 +302,5 @@ __all__ = [
     "sequence_mean",
     "step_loss",
     "token_mean",
+    "with_loss_state",
 ]

@@ -32,14 +32,11 @@ from typing import Any
 
 import attrs
 
+from marin_rl_core.errors import one_of
 from marin_rl_core.protocols import LOSS_AGGREGATIONS
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The per-token KL estimators (:func:`marin_rl_core.learner.loss.kl_penalty`)."""
-
-
-def _one_of(*choices: str) -> Any:
-    return attrs.validators.in_(choices)
 
 
 @attrs.frozen(kw_only=True)
@@ -81,14 +78,14 @@ class PolicyGradientConfig:
     clip_low: float = attrs.field(default=0.2, validator=attrs.validators.gt(0.0))
     clip_high: float = attrs.field(default=0.2, validator=attrs.validators.gt(0.0))
     dual_clip: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
-    ratio: str = attrs.field(default="token", validator=_one_of("token", "sequence"))
-    objective: str = attrs.field(default="clip", validator=_one_of("clip", "cispo"))
+    ratio: str = attrs.field(default="token", validator=one_of("token", "sequence"))
+    objective: str = attrs.field(default="clip", validator=one_of("clip", "cispo"))
     tis_cap: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
     kl_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
-    kl_estimator: str = attrs.field(default="k3", validator=_one_of(*KL_ESTIMATORS))
-    kl_in: str = attrs.field(default="loss", validator=_one_of("loss", "reward"))
+    kl_estimator: str = attrs.field(default="k3", validator=one_of(*KL_ESTIMATORS))
+    kl_in: str = attrs.field(default="loss", validator=one_of("loss", "reward"))
     entropy_coef: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
-    aggregation: str = attrs.field(default="token_mean", validator=_one_of(*LOSS_AGGREGATIONS))
+    aggregation: str = attrs.field(default="token_mean", validator=one_of(*LOSS_AGGREGATIONS))
     aggregation_length: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     overlong_length: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     overlong_buffer: int = attrs.field(default=0, validator=attrs.validators.ge(0))

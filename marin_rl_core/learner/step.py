@@ -197,16 +197,12 @@ def plugin_loss_fn(module: Any) -> Callable[..., Any]:
     """A loss plugin's loss function, made inside the traced step from the reference model the
     step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
     frozen model. ``create_loss_fn`` is cheap and pure (the protocol says so); the structure it
-    is given as ``train_model`` is the policy being trained. A
-    :class:`~marin_rl_core.learner.loss.TokenLoss` is weighed into the step's loss here."""
-
-    from marin_rl_core.learner.loss import TokenLoss, aggregate
+    is given as ``train_model`` is the policy being trained (with the loss's own state, when it
+    has some). :meth:`Learner.set_loss` weighs a returned
+    :class:`~marin_rl_core.learner.loss.TokenLoss` into the step's loss."""
 
     def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
-        out = module.create_loss_fn(reference, model)(model, batch, key=key)
-        if isinstance(out, TokenLoss):
-            return aggregate(out, batch)
-        return out  # (loss, metrics): the contract before issue 26
+        return module.create_loss_fn(reference, model)(model, batch, key=key)
 
     return loss_fn
 

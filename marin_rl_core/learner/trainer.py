@@ -39,7 +39,7 @@ from marin_rl_core.learner.checkpoint import (
     read_state,
     save_checkpoint,
 )
-from marin_rl_core.learner.loss import TrainedModel, policy_of
+from marin_rl_core.learner.loss import batch_options, policy_of, with_loss_state
 from marin_rl_core.learner.step import Learner, all_finite, make_schedule, plugin_loss_fn
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
@@ -161,16 +161,12 @@ class Trainer:
                 )
             )
         self.loss = loss.build(reference)
-        loss_state = None
-        if callable(getattr(self.loss, "init_state", None)):
-            loss_state = self.loss.init_state(model, key=jax.random.PRNGKey(config.seed + 2))
-        state_lr = None
-        if loss_state is not None:
-            # A critic (or other trainable loss state): trained, sharded and checkpointed
-            # with the policy; never published or exported.
-            model = TrainedModel(policy=model, loss_state=loss_state)
-            state_lr = getattr(self.loss, "state_learning_rate", None)
-            state_lr = config.trainer.learning_rate if state_lr is None else float(state_lr)
+        # A critic (or other trainable loss state) is trained, sharded and checkpointed with
+        # the policy; never published or exported.
+        model, state_lr = with_loss_state(
+            self.loss, model, key=jax.random.PRNGKey(config.seed + 2),
+            learning_rate=config.trainer.learning_rate,
+        )  # fmt: skip
         self.learner.set_loss(
             plugin_loss_fn(self.loss), reference=reference, state_learning_rate=state_lr
         )
@@ -266,6 +262,7 @@ class Trainer:
             "dropped_stale": int(
                 replay.get("dropped_stale_step", 0) + replay.get("dropped_stale_time", 0)
             ),
+            "dropped_by_loss": int(replay.get("dropped_by_loss", 0)),
         }
 
     @property
@@ -382,8 +379,7 @@ class Trainer:
             pack=self.config.trainer.pack_rollouts,
             row_multiple=self._row_multiple,
             trim=self.config.trainer.trim_rows,
-            aggregation=getattr(self.loss, "aggregation", "token_mean"),
-            token_rewards=bool(getattr(self.loss, "needs_token_rewards", False)),
+            **batch_options(self.loss),
         )
 
     def _start_warm_up(self) -> threading.Thread | None:

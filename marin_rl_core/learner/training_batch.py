@@ -161,8 +161,12 @@ def training_batch_from_rollouts(
     else:
         temps_of[:] = given
     lengths = [min(r.num_tokens, max_seq_len) for r in rollouts]
-    rollout_weight = _rollout_weights(rollouts, lengths, aggregation, max_seq_len)
-    step_tokens = max(sum(float(r.loss_mask[1:n].sum()) for r, n in zip(rollouts, lengths)), 1.0)
+    # Each rollout's response tokens (those the rows keep): the step's loss weights come from them.
+    counts = np.asarray(
+        [float(r.loss_mask[1:n].sum()) for r, n in zip(rollouts, lengths, strict=True)]
+    )
+    rollout_weight = _rollout_weights(counts, aggregation, max_seq_len)
+    step_tokens = max(float(counts.sum()), 1.0)
     if pack:
         layout = pack_rows(lengths, max_seq_len)
         n = max(1, -(-len(layout) // row_multiple)) * row_multiple
@@ -236,27 +240,21 @@ def training_batch_from_rollouts(
 
 
 def _rollout_weights(
-    rollouts: Sequence[Rollout],
-    lengths: Sequence[int],
-    aggregation: str | tuple[str, int],
-    max_seq_len: int,
+    counts: np.ndarray, aggregation: str | tuple[str, int], max_seq_len: int
 ) -> np.ndarray:
-    """Each rollout's per-token weight in the step's loss (:mod:`~marin_rl_core.learner.loss`):
-    ``1 / N_tokens``, ``1 / (n_i N_seq)`` or ``1 / (L N_seq)``, over rollouts with tokens."""
+    """Each rollout's per-token weight in the step's loss (:mod:`~marin_rl_core.learner.loss`),
+    from its response-token count: ``1 / N_tokens``, ``1 / (n_i N_seq)`` or ``1 / (L N_seq)``,
+    over rollouts with tokens."""
     how, length = (aggregation, 0) if isinstance(aggregation, str) else aggregation
     if how not in LOSS_AGGREGATIONS:
         raise ValueError(f"unknown loss aggregation {how!r}; choose one of {LOSS_AGGREGATIONS}")
-    counts = np.asarray(
-        [float(r.loss_mask[1:n].sum()) for r, n in zip(rollouts, lengths, strict=True)],
-        dtype=np.float64,
-    )
     sequences = max(int(np.count_nonzero(counts)), 1)
     if how == "token_mean":
-        weights = np.full(len(rollouts), 1.0 / max(counts.sum(), 1.0))
+        weights = np.full(counts.shape, 1.0 / max(counts.sum(), 1.0))
     elif how == "sequence_mean":
         weights = 1.0 / (np.maximum(counts, 1.0) * sequences)
     else:
-        weights = np.full(len(rollouts), 1.0 / ((length or max_seq_len) * sequences))
+        weights = np.full(counts.shape, 1.0 / ((length or max_seq_len) * sequences))
     return weights.astype(np.float32)
 
 
