@@ -79,7 +79,7 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     from marin_rl_core import Rollout, RolloutGroup
     from marin_rl_core.config import ModelConfig, TrainerConfig
     from marin_rl_core.learner.loss import step_loss
-    from marin_rl_core.learner.step import make_optimizer
+    from marin_rl_core.learner.optimizer import make_optimizer
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer

@@ -9,6 +9,7 @@ A leaf module: model and array types are ``Any`` here so that importing it needs
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -96,6 +97,31 @@ LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sum_over_length")
 """How a loss's per-token values become the step's loss (:mod:`marin_rl_core.learner.loss`)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """How a trainer step trains on its batch (a loss module's optional ``update_epochs``,
+    ``update_minibatches`` and ``frozen_policy_steps``): ``epochs`` passes over the batch cut
+    into ``minibatches`` parts, one optimizer update per part, the policy's learning rate 0 for
+    the run's first ``frozen_policy_steps`` trainer steps (only the loss's state learns)."""
+
+    epochs: int = 1
+    minibatches: int = 1
+    frozen_policy_steps: int = 0
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.epochs * self.minibatches
+
+
+def update_plan(module: Any) -> UpdatePlan:
+    """Loss ``module``'s :class:`UpdatePlan` (one update per step when it declares none)."""
+    return UpdatePlan(
+        epochs=max(1, int(getattr(module, "update_epochs", 1))),
+        minibatches=max(1, int(getattr(module, "update_minibatches", 1))),
+        frozen_policy_steps=max(0, int(getattr(module, "frozen_policy_steps", 0))),
+    )
+
+
 @runtime_checkable
 class RLLossModule(Protocol):
     """An RL objective: how a group's rewards become advantages, and the loss on a batch.
@@ -116,6 +142,16 @@ class RLLossModule(Protocol):
     (:mod:`marin_rl_core.learner.loss`), checkpoints both, publishes and exports the policy
     alone, and passes the whole to the loss function; the state learns at the module's
     ``state_learning_rate`` (``None``: the policy's).
+
+    Optional attributes ``update_epochs``, ``update_minibatches`` (default 1 each): each trainer
+    step makes ``update_epochs`` passes over its batch cut into ``update_minibatches`` parts, one
+    optimizer update each; ``frozen_policy_steps`` (default 0): the run's first trainer steps
+    train the loss's state alone (:class:`UpdatePlan`).
+    Optional attribute ``create_prepare_fn`` (absent or ``None``: nothing): a callable
+    ``(reference_model, train_model) -> fn(model, batches) -> tuple[dict[str, NamedArray], ...]``
+    called as ``create_loss_fn`` is, whose ``fn`` runs once per trainer step before its updates
+    on all its minibatches and returns per-token arrays for each (``TrainingBatch.prepared``):
+    what the updates compare against (PPO's old values) or normalise over the whole step.
     """
 
     @property

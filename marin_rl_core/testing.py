@@ -259,7 +259,13 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     import jax
 
     from marin_rl_core.config import ModelConfig
-    from marin_rl_core.learner.loss import TokenLoss, batch_options, step_loss, with_loss_state
+    from marin_rl_core.learner.loss import (
+        TokenLoss,
+        batch_options,
+        step_loss,
+        update_plan,
+        with_loss_state,
+    )
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
@@ -274,6 +280,18 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     batch = training_batch_from_rollouts(
         group.rollouts, advantages, config.max_seq_len, 0, **batch_options(module)
     )
+    plan = update_plan(module)
+    assert plan.epochs >= 1 and plan.minibatches >= 1 and plan.frozen_policy_steps >= 0
+    create_prepare = getattr(module, "create_prepare_fn", None)
+    if create_prepare is not None:  # what the trainer runs before a step's updates
+        prepared = create_prepare(reference, model)(model, (batch,))
+        assert len(prepared) == 1, f"loss {name!r}: prepare gives one dict per minibatch"
+        for key, value in prepared[0].items():
+            shape = batch.loss_mask.array.shape
+            assert value.array.shape == shape, f"loss {name!r}: prepared {key!r} is not per token"
+        batch = eqx.tree_at(
+            lambda b: b.prepared, batch, dict(prepared[0]), is_leaf=lambda x: x is None
+        )
     out = module.create_loss_fn(reference, model)(model, batch, key=jax.random.PRNGKey(1))
     if isinstance(out, TokenLoss):
         shape = batch.loss_mask.array.shape

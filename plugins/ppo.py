@@ -17,12 +17,25 @@ Per response token ``t`` (the tokens the policy sampled, in order, per rollout; 
                                                          (clip(V_t, V_old - vf_clip, V_old + vf_clip) - R_t)^2)
 
 ``V`` in GAE is taken as a constant. The policy-gradient objective and its options
-(:mod:`marin_rl_core.learner.policy_gradient`) apply. ``V_old`` is the critic's value before the
-update: with one update per sampled batch (as now) the clipped and unclipped value losses agree
-and ``vf_clipfrac`` is 0. ``normalize_advantages`` whitens ``A`` over each micro-batch's tokens
-(the one step that depends on the micro-batching, off by default). The advantages computed as
-rollouts arrive (reward minus the group's mean) only decide which groups the replay buffer
-prefers; the loss uses GAE.
+(:mod:`marin_rl_core.learner.policy_gradient`) apply; its importance ratio is taken against the
+sampler's log-probabilities. The advantages computed as rollouts arrive (reward minus the
+group's mean) only decide which groups the replay buffer prefers; the loss uses GAE.
+
+Several updates per batch: with ``epochs`` or ``minibatches`` above 1, each trainer step first
+computes the critic's values ``V_old`` on the whole batch, and from them GAE's ``A`` and ``R``,
+once (the loss's preparation, ``TrainingBatch.prepared``); it then makes ``epochs`` passes over
+the batch cut into ``minibatches`` (a random partition, the same for every epoch, visited in a
+new random order each epoch after the first), one optimizer update each. The value is clipped to
+within ``vf_clip`` of ``V_old`` (``vf_clipfrac``: how often that binds). With one update per
+batch, ``V_old`` is the value itself and no preparation pass runs.
+
+``normalize_advantages`` whitens ``A`` over all the batch's response tokens (computed in the
+preparation pass, so it does not depend on minibatches or micro-batches).
+
+``value_pretrain_steps``: the run's first trainer steps train the critic alone (the policy's
+learning rate is 0; the policy-gradient term is still computed, and Adam's moments for the
+policy see it). Useful with a fresh critic on a pretrained policy, whose early advantages are
+otherwise noise.
 """
 
 from __future__ import annotations
@@ -43,8 +56,13 @@ class PPOConfig(PolicyGradientConfig):
     critic: ``"head"`` or ``"model"`` (module docstring).
     critic_learning_rate: the critic's peak learning rate; 0 uses ``trainer.learning_rate``.
     vf_coef: weight of the value loss.
-    vf_clip: the value is clipped to within this of the critic's value before the update.
-    normalize_advantages: whiten GAE's advantages over each micro-batch.
+    vf_clip: the value is clipped to within this of the critic's value before the step's
+        updates (binds with several updates per batch).
+    normalize_advantages: whiten GAE's advantages over the batch's response tokens.
+    epochs: passes over each sampled batch.
+    minibatches: parts each pass cuts the batch into, one optimizer update each (a divisor of
+        ``trainer.batch_size``).
+    value_pretrain_steps: the run's first trainer steps train the critic only.
     """
 
     gamma: float = attrs.field(
@@ -58,6 +76,9 @@ class PPOConfig(PolicyGradientConfig):
     vf_coef: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
     vf_clip: float = attrs.field(default=0.2, validator=attrs.validators.gt(0.0))
     normalize_advantages: bool = False
+    epochs: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    minibatches: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    value_pretrain_steps: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     kl_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
 
 
@@ -69,6 +90,84 @@ class PPOLoss(PolicyGradientLoss):
     @property
     def state_learning_rate(self) -> float | None:
         return self.config.critic_learning_rate or None
+
+    @property
+    def update_epochs(self) -> int:
+        return self.config.epochs
+
+    @property
+    def update_minibatches(self) -> int:
+        return self.config.minibatches
+
+    @property
+    def frozen_policy_steps(self) -> int:
+        return self.config.value_pretrain_steps
+
+    @property
+    def create_prepare_fn(self) -> Any:
+        """``V_old``, GAE and whitening once per step when the step makes several updates or
+        whitens (module docstring); ``None`` otherwise (no preparation pass)."""
+        c = self.config
+        if c.epochs * c.minibatches == 1 and not c.normalize_advantages:
+            return None
+        return self._create_prepare_fn
+
+    def _values(self, model: Any, batch: Any, *, key: Any = None) -> tuple[Any, ...]:
+        """The critic's values ``[batch, position]`` (and, for a value head, the policy's
+        log-probabilities and entropies from the same forward pass; else ``None``)."""
+        from marin_rl_core.learner.training_batch import (
+            batch_hidden_states,
+            batch_logprobs_and_entropy,
+        )
+
+        policy, critic = model.policy, model.loss_state
+        if critic.trunk is None:
+            logp, ent, hidden = batch_logprobs_and_entropy(policy, batch, key=key, with_hidden=True)
+            return critic.head(hidden), logp, ent
+        return critic.head(batch_hidden_states(critic.trunk, batch)), None, None
+
+    def _advantages(self, batch: Any, values: Any) -> tuple[Any, Any]:
+        from marin_rl_core.learner.loss import gae
+
+        segments = None if batch.segment_ids is None else batch.segment_ids.array
+        return gae(
+            batch.token_rewards.array,
+            values,
+            batch.loss_mask.array,
+            segments,
+            gamma=self.config.gamma,
+            lam=self.config.lam,
+        )
+
+    def _create_prepare_fn(self, reference_model: Any, train_model: Any) -> Any:
+        import jax
+
+        from marin_rl_core.learner.loss import as_named, whiten
+        from marin_rl_core.learner.training_batch import batch_hidden_states
+
+        c = self.config
+
+        def prepare(model: Any, batches: Any) -> Any:
+            found = []
+            for batch in batches:
+                critic = model.loss_state
+                trunk = model.policy if critic.trunk is None else critic.trunk
+                values = jax.lax.stop_gradient(critic.head(batch_hidden_states(trunk, batch)))
+                found.append((values, *self._advantages(batch, values)))
+            if c.normalize_advantages:  # over every response token of the step
+                masks = [b.loss_mask.array for b in batches]
+                whitened = whiten([a for _, a, _ in found], masks)
+                found = [(v, a, r) for (v, _, r), a in zip(found, whitened)]
+            return tuple(
+                {
+                    "values": as_named(v, b.loss_mask),
+                    "advantages": as_named(a, b.loss_mask),
+                    "returns": as_named(r, b.loss_mask),
+                }
+                for (v, a, r), b in zip(found, batches)
+            )
+
+        return prepare
 
     def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         return rewards - rewards.mean()  # the replay buffer's preference only (docstring)
@@ -89,12 +188,9 @@ class PPOLoss(PolicyGradientLoss):
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.learner.loss import TokenLoss, as_named, gae, token_mean
+        from marin_rl_core.learner.loss import TokenLoss, as_named, whiten
         from marin_rl_core.learner.policy_gradient import policy_gradient_loss
-        from marin_rl_core.learner.training_batch import (
-            batch_hidden_states,
-            batch_logprobs_and_entropy,
-        )
+        from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
 
         c = self.config
         if c.kl_coef > 0 and reference_model is None:
@@ -102,24 +198,18 @@ class PPOLoss(PolicyGradientLoss):
         sg = jax.lax.stop_gradient
 
         def loss_fn(model: Any, batch: Any, *, key: Any = None) -> Any:
-            policy, critic = model.policy, model.loss_state
-            if critic.trunk is None:
-                logp, ent, hidden = batch_logprobs_and_entropy(
-                    policy, batch, key=key, with_hidden=True
-                )
-            else:
-                logp, ent = batch_logprobs_and_entropy(policy, batch, key=key)
-                hidden = batch_hidden_states(critic.trunk, batch)
-            values = critic.head(hidden)
-            mask = batch.loss_mask.array
-            segments = None if batch.segment_ids is None else batch.segment_ids.array
-            advantages, returns = gae(
-                batch.token_rewards.array, values, mask, segments, gamma=c.gamma, lam=c.lam
-            )
-            if c.normalize_advantages:
-                mean = token_mean(advantages, mask)
-                std = jnp.sqrt(token_mean(jnp.square(advantages - mean), mask))
-                advantages = jnp.where(mask > 0, (advantages - mean) / (std + 1e-8), 0.0)
+            values, logp, ent = self._values(model, batch, key=key)
+            if logp is None:
+                logp, ent = batch_logprobs_and_entropy(model.policy, batch, key=key)
+            if batch.prepared is not None:  # computed once before the step's updates
+                old = batch.prepared["values"].array
+                advantages = batch.prepared["advantages"].array
+                returns = batch.prepared["returns"].array
+            else:  # one update per batch: the values before it are these
+                old = sg(values)
+                advantages, returns = self._advantages(batch, old)
+                if c.normalize_advantages:  # a batch not prepared (a loss called directly)
+                    advantages = whiten(advantages, batch.loss_mask.array)
             pg_batch = eqx.tree_at(
                 lambda b: b.advantages, batch, as_named(advantages, batch.advantages)
             )
@@ -127,7 +217,6 @@ class PPOLoss(PolicyGradientLoss):
             if c.kl_coef > 0:
                 ref = sg(batch_logprobs_and_entropy(reference_model, batch)[0])
             out = policy_gradient_loss(c, pg_batch, logp, ent, ref)
-            old = sg(values)
             clipped = old + jnp.clip(values - old, -c.vf_clip, c.vf_clip)
             unclipped_loss = jnp.square(values - returns)
             clipped_loss = jnp.square(clipped - returns)

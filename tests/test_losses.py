@@ -3,6 +3,8 @@ however the step is cut, and the policy-gradient objective's options against pla
 
 from __future__ import annotations
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,9 @@ from marin_rl_core.models.tokenizer import model_tokenizer
 jax.config.update("jax_enable_x64", False)
 
 
-def rollouts(n: int, *, seed: int = 0, max_response: int = 6) -> list[Rollout]:
+def rollouts(
+    n: int, *, seed: int = 0, max_response: int = 6, lesson: str = "count"
+) -> list[Rollout]:
     """``n`` single-turn rollouts with responses of 1..``max_response`` tokens (uneven, so
     micro-batches and rows hold different numbers of response tokens)."""
     rng = np.random.default_rng(seed)
@@ -33,7 +37,7 @@ def rollouts(n: int, *, seed: int = 0, max_response: int = 6) -> list[Rollout]:
         out.append(
             Rollout.single_turn(
                 env_name="mock",
-                lesson_id="count",
+                lesson_id=lesson,
                 problem_id=str(i),
                 prompt_tokens=prompt,
                 response_tokens=rng.integers(3, 12, size=length).astype(np.int32),
@@ -347,8 +351,8 @@ def tiny_policy():
     return build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
 
 
-def rewarded_batch(packed: bool, aggregation):
-    rs = rollouts(6, seed=9)
+def rewarded_batch(packed: bool, aggregation, *, seed: int = 9):
+    rs = rollouts(6, seed=seed)
     return training_batch_from_rollouts(
         rs, np.zeros(6), 24, 0, batch_size=6, pack=packed, aggregation=aggregation,
         token_rewards=True,
@@ -404,6 +408,145 @@ def test_ppo_is_the_objective_on_gae_advantages_plus_the_value_loss(critic, pack
     assert float(metrics["vf_clipfrac"]) == 0.0  # one update per batch: V_old is V
 
 
+def moved_critic(model, by: float):
+    head = model.loss_state.head
+    head = eqx.tree_at(lambda h: (h.weight, h.bias), head, (head.weight + by, head.bias + by))
+    return eqx.tree_at(lambda m: m.loss_state.head, model, head)
+
+
+def numpy_values(model, batch) -> np.ndarray:
+    from marin_rl_core.learner.training_batch import batch_hidden_states
+
+    head = model.loss_state.head
+    h = np.asarray(batch_hidden_states(model.policy, batch).array, np.float64)
+    return h @ np.asarray(head.weight.array, np.float64) + float(head.bias)
+
+
+def test_ppo_with_several_updates_prepares_old_values_and_whitens_over_the_whole_step():
+    """With epochs x minibatches, values, GAE and the whitening are computed once before the
+    step's updates, over all its minibatches; the value loss then clips to those old values."""
+    from marin_rl_plugins.ppo import PPOConfig, PPOLoss
+
+    from marin_rl_core.learner.loss import TrainedModel, step_loss
+
+    config = PPOConfig(kl_coef=0.0, gamma=0.9, lam=0.8, vf_coef=0.5, vf_clip=0.05,
+                       epochs=2, minibatches=2, normalize_advantages=True)  # fmt: skip
+    loss = PPOLoss(config)
+    policy = tiny_policy()
+    model = TrainedModel(policy=policy, loss_state=loss.init_state(policy, key=None))
+    model = moved_critic(model, 0.3)
+    batches = (
+        rewarded_batch(False, loss.aggregation),
+        rewarded_batch(True, loss.aggregation, seed=4),
+    )
+    prepared = loss.create_prepare_fn(None, model)(model, batches)
+
+    found = []
+    for batch in batches:
+        values = numpy_values(model, batch)
+        mask = np.asarray(batch.loss_mask.array, np.float64)
+        rewards = np.asarray(batch.token_rewards.array, np.float64)
+        adv, ret = gae_loop(rewards, values, mask, sequences_of(batch), config.gamma, config.lam)
+        found.append((values, adv, ret, mask))
+    every = np.concatenate([a[m > 0] for _, a, _, m in found])
+    for (values, adv, ret, mask), out in zip(found, prepared, strict=True):
+        at = mask > 0
+        np.testing.assert_allclose(
+            np.asarray(out["values"].array)[at], values[at], rtol=1e-4, atol=1e-5
+        )
+        np.testing.assert_allclose(
+            np.asarray(out["returns"].array)[at], ret[at], rtol=1e-4, atol=1e-5
+        )
+        whitened = (adv - every.mean()) / (every.std() + 1e-8)
+        np.testing.assert_allclose(
+            np.asarray(out["advantages"].array)[at], whitened[at], rtol=1e-3, atol=1e-4
+        )
+    assert (
+        abs(
+            np.mean(
+                [
+                    np.asarray(o["advantages"].array)[f[3] > 0].mean()
+                    for o, f in zip(prepared, found)
+                ]
+            )
+        )
+        < 0.5
+    )
+
+    # After an update moved the critic, the value loss clips to the values before the step.
+    batch = eqx.tree_at(
+        lambda b: b.prepared, batches[0], dict(prepared[0]), is_leaf=lambda x: x is None
+    )
+    moved = moved_critic(model, -0.2)
+    _, metrics = step_loss(loss.create_loss_fn(None, moved), moved, batch)
+    values, _, ret, mask = found[0]
+    new = numpy_values(moved, batch)
+    clipped = values + np.clip(new - values, -config.vf_clip, config.vf_clip)
+    per_token = 0.5 * np.maximum((new - ret) ** 2, (clipped - ret) ** 2)
+    assert float(metrics["value_loss"]) == pytest.approx(
+        (mask * per_token).sum() / mask.sum(), rel=1e-3
+    )
+    clip_binds = (mask * ((clipped - ret) ** 2 > (new - ret) ** 2)).sum() / mask.sum()
+    assert 0 < float(metrics["vf_clipfrac"]) == pytest.approx(clip_binds)
+
+
+def test_a_ppo_trainer_step_makes_epochs_x_minibatches_updates_after_value_pretraining(tmp_path):
+    """Through the trainer: a step of 2 epochs x 2 minibatches is 4 optimizer updates; the
+    first ``value_pretrain_steps`` steps move the critic and leave the policy as it was."""
+    from marin_rl_core.learner.loss import policy_of
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry = build_registry()
+    config = resolve_config(
+        registry, selections={"env": "mock", "loss": "ppo"},
+        overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
+                   "model.max_seq_len=24", "loss.kl_coef=0.0", "loss.epochs=2",
+                   "loss.minibatches=2", "loss.value_pretrain_steps=1", "loss.vf_clip=0.01",
+                   "loss.critic_learning_rate=0.05", "trainer.warmup_steps=0"],
+    )  # fmt: skip
+    trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    rs = rollouts(8, seed=3, lesson="mock")
+
+    def weights():
+        model = trainer.state.model
+        return (np.asarray(policy_of(model).embeddings.token_embeddings.weight.array).copy(),
+                np.asarray(model.loss_state.head.weight.array).copy())  # fmt: skip
+
+    policy0, critic0 = weights()
+    first = trainer.train_one_step(rs, np.zeros(8, np.float32))
+    policy1, critic1 = weights()
+    assert int(trainer.state.step) == 4  # levanter counts optimizer updates
+    np.testing.assert_array_equal(policy1, policy0)
+    assert np.abs(critic1 - critic0).max() > 0
+    responses = sum(len(r.response_tokens) for r in rs)
+    assert first["num_tokens"] == responses  # counted once per pass over the batch
+    assert first["vf_clipfrac"] > 0  # the critic moved past vf_clip within the step
+    trainer.train_one_step(rs, np.zeros(8, np.float32))
+    assert int(trainer.state.step) == 8
+    assert np.abs(weights()[0] - policy1).max() > 0
+
+
+def test_minibatches_must_divide_the_batch_and_value_pretraining_must_end():
+    from marin_rl_core.errors import ConfigError
+
+    def job(*overrides):
+        return resolve_config(
+            build_registry(), selections={"env": "mock", "loss": "ppo"},
+            overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
+                       "trainer.num_train_steps=10", *overrides],
+        )  # fmt: skip
+
+    with pytest.raises(ConfigError, match=r"\$\.loss\.minibatches: 3 minibatches cannot split"):
+        job("loss.minibatches=3")
+    with pytest.raises(
+        ConfigError, match=r"\$\.trainer\.microbatch_size: 4 does not divide a minibatch of 2"
+    ):
+        job("loss.minibatches=4", "trainer.microbatch_size=4")
+    with pytest.raises(ConfigError, match=r"\$\.loss\.value_pretrain_steps: 10 steps"):
+        job("loss.value_pretrain_steps=10")
+    job("loss.minibatches=4", "loss.epochs=3", "loss.value_pretrain_steps=9")
+
+
 def test_a_ppo_checkpoint_restores_the_critic_and_its_optimizer_state_exactly(tmp_path):
     """The critic trains with the policy, is saved with it and comes back whole; only the
     policy is what rollout workers and exports see."""
@@ -450,21 +593,110 @@ def test_a_ppo_checkpoint_restores_the_critic_and_its_optimizer_state_exactly(tm
     )
 
 
+def test_a_stopped_and_resumed_ppo_trainer_matches_an_uninterrupted_one(tmp_path):
+    """Four trainer steps of ppo (2 epochs x 2 minibatches, a separate critic model), once
+    straight through and once stopped after two and resumed from the checkpoint, on the same
+    rollouts: the policy, the critic and the optimizer state end the same."""
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry = build_registry()
+    config = resolve_config(
+        registry, selections={"env": "mock", "loss": "ppo"},
+        overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
+                   "model.max_seq_len=24", "loss.kl_coef=0.0", "loss.epochs=2",
+                   "loss.minibatches=2", 'loss.critic="model"',
+                   "loss.critic_learning_rate=0.01"],
+    )  # fmt: skip
+    batches = [rollouts(8, seed=10 + i, lesson="mock") for i in range(4)]
+
+    def train(trainer, steps):
+        for rs in steps:
+            trainer.train_one_step(rs, np.zeros(8, np.float32))
+
+    straight = Trainer(config, registry, run_dir=tmp_path / "straight", reader=None)
+    train(straight, batches)
+    first = Trainer(config, registry, run_dir=tmp_path / "stopped", reader=None)
+    train(first, batches[:2])
+    first.checkpoint()
+    del first
+    resumed = Trainer(config, registry, run_dir=tmp_path / "stopped", reader=None)
+    assert resumed.step == 2 and not resumed.resume_warnings
+    train(resumed, batches[2:])
+
+    def leaves(t):
+        tree = (t.state.step, t.state.model, t.state.opt_state, t.state.training_key)
+        return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+    got, want = leaves(resumed), leaves(straight)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_path):
+    """A checkpoint of the policy alone (an ``rloo`` run) resumes under ``ppo``: the policy and
+    the step come back, the critic starts fresh and the user is told; and back again."""
+    from marin_rl_core.learner.loss import TrainedModel, policy_of
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry = build_registry()
+
+    def trainer(loss):
+        config = resolve_config(
+            registry, selections={"env": "mock", "loss": loss},
+            overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
+                       "model.max_seq_len=24", "loss.kl_coef=0.0"],
+        )  # fmt: skip
+        return Trainer(config, registry, run_dir=tmp_path, reader=None)
+
+    def embedding(t):
+        return np.asarray(policy_of(t.state.model).embeddings.token_embeddings.weight.array)
+
+    rs = rollouts(8, seed=3, lesson="mock")
+    first = trainer("rloo")
+    for _ in range(2):
+        first.train_one_step(rs, np.linspace(-1, 1, 8).astype(np.float32))
+    first.checkpoint()
+    trained = embedding(first)
+    del first
+
+    ppo = trainer("ppo")
+    assert isinstance(ppo.state.model, TrainedModel) and ppo.step == 2
+    assert int(ppo.state.step) == 2
+    np.testing.assert_array_equal(embedding(ppo), trained)
+    assert not np.asarray(ppo.state.model.loss_state.head.weight.array).any()  # a fresh critic
+    assert any("critic) starts fresh" in w for w in ppo.resume_warnings), ppo.resume_warnings
+    ppo.train_one_step(rs, np.zeros(8, np.float32))  # trains on from there
+    ppo.checkpoint()
+    moved = embedding(ppo)
+    del ppo
+
+    back = trainer("rloo")
+    assert back.step == 3 and not isinstance(back.state.model, TrainedModel)
+    np.testing.assert_array_equal(embedding(back), moved)
+    assert any("left behind" in w for w in back.resume_warnings), back.resume_warnings
+    back.train_one_step(rs, np.linspace(-1, 1, 8).astype(np.float32))
+
+
 def test_a_ppo_run_trains_its_critic_resumes_and_exports_the_policy(cli, tiny_mock_job, tmp_path):
     """Through ``marinrl run``: the critic is checkpointed beside the policy, a resumed run
     goes on with it, and the export is the policy alone."""
     from marin_rl_core.metrics import read_metrics
 
     common = [*tiny_mock_job, "--loss", "ppo", "--set", f'run_dir="{tmp_path}"',
-              "--set", "trainer.checkpoint_interval_steps=3"]  # fmt: skip
+              "--set", "trainer.checkpoint_interval_steps=3",
+              "--set", "loss.epochs=2", "--set", "loss.minibatches=2"]  # fmt: skip
     first = cli("run", *common, "--set", "trainer.num_train_steps=3", "--run-id", "ppo")
     assert first.exit_code == 0, first.output
     assert (tmp_path / "ppo" / "checkpoints" / "step-000003" / "model" / "loss_state").is_dir()
-    again = cli("run", "--resume", str(tmp_path / "ppo"), "--set", "trainer.num_train_steps=5")
+    again = cli("run", "--resume", str(tmp_path / "ppo"), "--set", "trainer.num_train_steps=5",
+                "--set", "loss.epochs=2", "--set", "loss.minibatches=2")  # fmt: skip
     assert again.exit_code == 0, again.output
     train = [r for r in read_metrics(tmp_path / "ppo") if r["source"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5]
     assert all("value_loss" in r and "vf_clipfrac" in r for r in train)
+    # Each step's row sums its tokens over one pass of its two minibatches.
+    assert all(r["num_tokens"] >= 32 and math.isfinite(r["loss"]) for r in train)
     export = cli("export", str(tmp_path / "ppo"), str(tmp_path / "hf"))
     assert export.exit_code == 0, export.output
     assert (tmp_path / "hf" / "model.safetensors").is_file()

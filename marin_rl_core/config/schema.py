@@ -159,8 +159,9 @@ class TrainerConfig:
     """The learner: optimizer, batch size, step count, weight sync and checkpoint cadence.
 
     Args:
-        num_train_steps: optimizer steps before the job ends.
-        batch_size: rollouts per optimizer step.
+        num_train_steps: trainer steps before the job ends (one optimizer update each,
+            unless the loss makes several per batch: ``ppo``'s ``epochs`` x ``minibatches``).
+        batch_size: rollouts per trainer step.
         learning_rate: peak Adam learning rate, reached after the warmup.
         warmup_steps: steps of linear warmup.
         lr_schedule: after the warmup, ``"cosine"`` or ``"linear"`` decay to
@@ -185,8 +186,8 @@ class TrainerConfig:
             Off: every row has ``model.max_seq_len`` positions (one shape).
         microbatch_size: rollouts per forward/backward pass; the gradients of
             ``batch_size / microbatch_size`` micro-batches are accumulated into one step, so a
-            batch need not fit in device memory at once. 0: the whole batch at once. The loss is
-            the mean of the micro-batches' losses (each a mean over its response tokens).
+            batch need not fit in device memory at once. 0: the whole batch at once. The loss
+            and gradients do not depend on it (the loss's weights span the whole step).
         mesh: the learner's device mesh (:class:`MeshConfig`).
     """
 

@@ -97,6 +97,7 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
             f"({config.trainer.batch_size}); pick a divisor such as "
             f"{max(d for d in range(1, micro + 1) if config.trainer.batch_size % d == 0)}"
         )
+    errors.extend(_update_plan_errors(config, registry))
     if "tensorboard" in config.logging.tracker and importlib.util.find_spec("tensorboardX") is None:
         errors.append(
             '$.logging.tracker: "tensorboard" needs the tensorboardX package, which is not '
@@ -119,6 +120,36 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
             )
     if errors:
         raise ConfigError("invalid config:\n" + "\n".join(f"  {e}" for e in dict.fromkeys(errors)))
+
+
+def _update_plan_errors(config: RLJobConfig, registry: Registry) -> list[str]:
+    """What is wrong with the loss's updates per step (its epochs, minibatches and frozen policy
+    steps: :class:`~marin_rl_core.protocols.UpdatePlan`) for this trainer."""
+    from marin_rl_core.protocols import update_plan
+
+    try:
+        module = registry.get("loss", config.loss.name).build(config.loss.config)
+    except Exception:  # noqa: BLE001 - a loss that cannot be built says so when the run builds it
+        return []
+    plan, t, errors = update_plan(module), config.trainer, []
+    if t.batch_size % plan.minibatches:
+        errors.append(
+            f"$.loss.minibatches: {plan.minibatches} minibatches cannot split $.trainer.batch_size "
+            f"({t.batch_size}) evenly; choose a divisor of the batch size"
+        )
+    elif t.microbatch_size and (t.batch_size // plan.minibatches) % t.microbatch_size:
+        errors.append(
+            f"$.trainer.microbatch_size: {t.microbatch_size} does not divide a minibatch of "
+            f"{t.batch_size // plan.minibatches} rollouts ($.trainer.batch_size / "
+            "$.loss.minibatches); choose a divisor of the minibatch"
+        )
+    if plan.frozen_policy_steps >= t.num_train_steps:
+        errors.append(
+            f"$.loss.value_pretrain_steps: {plan.frozen_policy_steps} steps of value pretraining "
+            f"leave none of the run's $.trainer.num_train_steps = {t.num_train_steps} to train "
+            "the policy; use fewer"
+        )
+    return errors
 
 
 def _find_cycle(graph: Mapping[str, Sequence[str]]) -> list[str] | None:

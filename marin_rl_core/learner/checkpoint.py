@@ -207,15 +207,32 @@ def read_state(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def load_trainer_state(
-    checkpoint: str | Path, like: Any, *, axis_mapping: Any = None, mesh: Any = None
+    checkpoint: str | Path,
+    like: Any,
+    *,
+    axis_mapping: Any = None,
+    mesh: Any = None,
+    subpath: str | None = None,
 ) -> Any:
-    """Read a checkpoint's trainer state into ``like`` (a ``TrainerState`` or its shapes),
-    sharded by ``axis_mapping`` over ``mesh`` (any number of devices)."""
+    """Read a checkpoint's trainer state (or its part at ``subpath``: ``"model"``, ``"step"``)
+    into ``like`` (the state, or that part, or their shapes), sharded by ``axis_mapping`` over
+    ``mesh`` (any number of devices)."""
     import levanter.checkpoint
 
     return levanter.checkpoint.load_checkpoint(
-        like, str(checkpoint), discover_latest=False, axis_mapping=axis_mapping, mesh=mesh
+        like,
+        str(checkpoint),
+        subpath=subpath,
+        discover_latest=False,
+        axis_mapping=axis_mapping,
+        mesh=mesh,
     )
+
+
+def has_loss_state(checkpoint: str | Path) -> bool:
+    """Whether a checkpoint holds a loss's trainable state beside the policy (``model/policy``
+    and ``model/loss_state``) rather than the policy alone (``model``)."""
+    return (Path(checkpoint) / "model" / "policy").is_dir()
 
 
 def load_model(checkpoint: str | Path, like: Any) -> Any:
@@ -232,7 +249,7 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
         return levanter.checkpoint.load_checkpoint(
             like,
             str(checkpoint),
-            subpath="model/policy" if (Path(checkpoint) / "model" / "policy").is_dir() else "model",
+            subpath="model/policy" if has_loss_state(checkpoint) else "model",
             discover_latest=False,
             axis_mapping={},
             mesh=mesh,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from marin_rl_core.protocols import LOSS_AGGREGATIONS as AGGREGATIONS
+from marin_rl_core.protocols import UpdatePlan, update_plan  # noqa: F401 - re-exported
 
 
 class TokenLoss(eqx.Module):
@@ -159,6 +160,19 @@ def token_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
     """The mean of ``values`` over the positions where ``mask`` is 1 (0 when there are none):
     for metrics a loss computes within one micro-batch."""
     return jnp.sum(jnp.where(mask > 0, values, 0.0)) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def whiten(values: Any, mask: Any) -> Any:
+    """``values`` shifted and scaled to mean 0 and standard deviation 1 over the positions
+    where ``mask`` is 1 (0 elsewhere). Lists of arrays (a step's minibatches) are whitened
+    together, by the statistics of all of them."""
+    if not isinstance(values, (list, tuple)):
+        return whiten([values], [mask])[0]
+    count = jnp.maximum(sum(jnp.sum(m) for m in mask), 1.0)
+    mean = sum(jnp.sum(v * m) for v, m in zip(values, mask)) / count
+    var = sum(jnp.sum(jnp.square(v - mean) * m) for v, m in zip(values, mask)) / count
+    scale = 1.0 / (jnp.sqrt(var) + 1e-8)
+    return [jnp.where(m > 0, (v - mean) * scale, 0.0) for v, m in zip(values, mask)]
 
 
 def masked_max(values: jax.Array, mask: jax.Array) -> jax.Array:

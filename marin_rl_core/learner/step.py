@@ -16,6 +16,7 @@ import numpy as np
 
 from marin_rl_core.config.schema import MeshConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError
+from marin_rl_core.learner.optimizer import make_optimizer
 
 
 def all_finite(tree: Any) -> bool:
@@ -45,70 +46,6 @@ def _compile_finite() -> None:
         _finite_jit = jax.jit(_finite)
 
 
-def make_schedule(t: TrainerConfig) -> Any:
-    """The learning rate against the optimizer step: linear warmup to ``learning_rate``, then
-    ``lr_schedule`` down to ``min_lr_ratio * learning_rate`` at ``num_train_steps``."""
-    import optax
-
-    peak, warmup = t.learning_rate, max(t.warmup_steps, 0)
-    end = peak * (1.0 if t.lr_schedule == "constant" else t.min_lr_ratio)
-    decay_steps = max(t.num_train_steps - warmup, 1)
-    if t.lr_schedule == "cosine":
-        decay = optax.cosine_decay_schedule(peak, decay_steps, alpha=t.min_lr_ratio)
-    else:  # linear, or constant (end == peak)
-        decay = optax.linear_schedule(peak, end, decay_steps)
-    if warmup == 0:
-        return decay
-    return optax.join_schedules(
-        [optax.linear_schedule(peak / warmup, peak, warmup), decay], boundaries=[warmup]
-    )
-
-
-def make_optimizer(t: TrainerConfig, *, state_learning_rate: float | None = None) -> Any:
-    """AdamW on :func:`make_schedule`, after global-norm clipping (if ``max_grad_norm > 0``).
-
-    With ``state_learning_rate`` (a loss with trainable state: the model trained is a
-    :class:`~marin_rl_core.learner.loss.TrainedModel`), the loss's state gets AdamW of its own
-    at that peak learning rate, on the same schedule shape."""
-    import attrs
-    import optax
-
-    def adamw(config: TrainerConfig) -> Any:
-        return optax.adamw(
-            make_schedule(config), b1=0.9, b2=0.99, eps=t.adam_eps, weight_decay=t.weight_decay
-        )
-
-    parts = []
-    if t.max_grad_norm > 0:
-        parts.append(optax.clip_by_global_norm(t.max_grad_norm))
-    if state_learning_rate is None:
-        parts.append(adamw(t))
-    else:
-        parts.append(
-            optax.multi_transform(
-                {
-                    "policy": adamw(t),
-                    "loss_state": adamw(attrs.evolve(t, learning_rate=state_learning_rate)),
-                },
-                _param_labels,
-            )
-        )
-    return optax.chain(*parts)
-
-
-def _param_labels(params: Any) -> Any:
-    import jax
-
-    from marin_rl_core.learner.loss import TrainedModel
-
-    if not isinstance(params, TrainedModel):
-        return jax.tree.map(lambda _: "policy", params)
-    return TrainedModel(
-        policy=jax.tree.map(lambda _: "policy", params.policy),
-        loss_state=jax.tree.map(lambda _: "loss_state", params.loss_state),
-    )
-
-
 def _metric(name: str, value: Any) -> Any:
     """A loss metric as a levanter ``Metric``, reduced over micro-batches by its name: summed for
     ``num_*``/``total_*``/``*_count``/``*_total``/``*_sum``, max/min for ``*_max``/``*_min``,
@@ -117,16 +54,21 @@ def _metric(name: str, value: Any) -> Any:
 
     if isinstance(value, Metric):
         return value
+    return Metric.from_value(value, getattr(ReductionType, metric_reduction(name).upper()))
+
+
+def metric_reduction(name: str) -> str:
+    """How a metric named ``name`` combines over micro-batches or updates: ``"sum"`` for
+    ``num_*``/``total_*``/``*_count``/``*_total``/``*_sum``, ``"max"``/``"min"`` for
+    ``*_max``/``max_*`` and ``*_min``/``min_*``, ``"mean"`` otherwise."""
     lower = name.lower()
     if lower.startswith(("num_", "total_")) or lower.endswith(("_count", "_total", "_sum")):
-        reduction = ReductionType.SUM
-    elif lower.endswith("_max") or lower.startswith("max_"):
-        reduction = ReductionType.MAX
-    elif lower.endswith("_min") or lower.startswith("min_"):
-        reduction = ReductionType.MIN
-    else:
-        reduction = ReductionType.MEAN
-    return Metric.from_value(value, reduction)
+        return "sum"
+    if lower.endswith("_max") or lower.startswith("max_"):
+        return "max"
+    if lower.endswith("_min") or lower.startswith("min_"):
+        return "min"
+    return "mean"
 
 
 def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -205,6 +147,21 @@ def plugin_loss_fn(module: Any) -> Callable[..., Any]:
         return module.create_loss_fn(reference, model)(model, batch, key=key)
 
     return loss_fn
+
+
+def plugin_prepare_fn(module: Any) -> Callable[..., Any] | None:
+    """A loss plugin's optional preparation (``create_prepare_fn``; absent or ``None``: none),
+    made inside the traced function from the reference model it receives, as
+    :func:`plugin_loss_fn`: ``fn(model, batches, *, reference=None)`` returning one dict of
+    per-token arrays per minibatch (:meth:`Learner.prepare`)."""
+    create = getattr(module, "create_prepare_fn", None)
+    if create is None:
+        return None
+
+    def prepare(model: Any, batches: Any, *, reference: Any = None) -> Any:
+        return create(reference, model)(model, batches)
+
+    return prepare
 
 
 def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
@@ -348,6 +305,10 @@ class Learner:
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None
         self._frozen: dict[str, Any] = {}
+        self._prepare: Any = None
+        from marin_rl_core.protocols import UpdatePlan
+
+        self.plan = UpdatePlan()
 
     def set_loss(
         self,
@@ -355,6 +316,8 @@ class Learner:
         *,
         reference: Any = None,
         state_learning_rate: float | None = None,
+        prepare_fn: Callable[..., Any] | None = None,
+        plan: Any = None,
     ) -> None:
         """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` from now on.
 
@@ -366,12 +329,39 @@ class Learner:
 
         ``state_learning_rate``: the model trained will be a
         :class:`~marin_rl_core.learner.loss.TrainedModel` whose loss state learns at this rate
-        (:func:`make_optimizer`)."""
+        (:func:`make_optimizer`).
+
+        ``prepare_fn``: the loss's preparation (:func:`plugin_prepare_fn`), run by
+        :meth:`prepare`. ``plan``: the loss's
+        :class:`~marin_rl_core.protocols.UpdatePlan` (updates per trainer step and frozen
+        policy steps, for the learning-rate schedule)."""
+        import equinox as eqx
         from levanter.callbacks.watch import WatchCallback
+        from levanter.utils.tree_utils import inference_mode
+
+        from marin_rl_core.protocols import UpdatePlan
 
         self._frozen = {} if reference is None else {"reference": reference}
-        if state_learning_rate is not None:
-            self.optimizer = make_optimizer(self.config, state_learning_rate=state_learning_rate)
+        self.plan = plan or UpdatePlan()
+        if state_learning_rate is not None or self.plan != UpdatePlan():
+            self.optimizer = make_optimizer(
+                self.config,
+                state_learning_rate=state_learning_rate,
+                updates_per_step=self.plan.updates_per_step,
+                frozen_policy_updates=self.plan.frozen_policy_steps * self.plan.updates_per_step,
+            )
+        self._prepare = None
+        if prepare_fn is not None:
+            mp, mapping = self.mp, self.compute_axis_mapping
+
+            def prepare(model: Any, batches: Any, frozen: dict[str, Any]) -> Any:
+                import haliax as hax
+
+                with hax.axis_mapping(mapping):
+                    model = mp.cast_to_compute(inference_mode(model, True))
+                    return prepare_fn(model, batches, **frozen)
+
+            self._prepare = eqx.filter_jit(prepare)
         self.trainer = _levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )
@@ -431,8 +421,9 @@ class Learner:
         with self._context():
             return eqx.filter_eval_shape(lambda m, k: trainer.initial_state(k, model=m), model, key)
 
-    def restore(self, checkpoint: str | Path, like: Any) -> Any:
-        """``like`` (a ``TrainerState``) with a checkpoint's values, sharded over this mesh."""
+    def restore(self, checkpoint: str | Path, like: Any, *, subpath: str | None = None) -> Any:
+        """``like`` (a ``TrainerState``, or its part at ``subpath``) with a checkpoint's values,
+        sharded over this mesh."""
         from marin_rl_core.learner.checkpoint import load_trainer_state
 
         # levanter notes every empty slot of the state (no model averaging: None) as an
@@ -443,6 +434,30 @@ class Learner:
                 like,
                 axis_mapping=self.parameter_axis_mapping,
                 mesh=self.mesh,
+                subpath=subpath,
+            )
+
+    def with_step(self, state: Any, step: Any) -> Any:
+        """``state`` at optimizer update ``step``: its step and every counter of its optimizer
+        state (Adam's bias correction, the learning-rate schedule) set to it, for a fresh
+        optimizer state that goes on from a checkpoint's step."""
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+
+        step = int(step)
+
+        def at_step(x: Any) -> Any:
+            # A new buffer for each (with x's sharding): the step donates every one of them.
+            if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.integer) and x.ndim == 0:
+                return jnp.zeros_like(x) + step
+            return x
+
+        with self._context():
+            return eqx.tree_at(
+                lambda s: (s.step, s.opt_state),
+                state,
+                (at_step(state.step), jax.tree.map(at_step, state.opt_state)),
             )
 
     def peak_memory_bytes(self, state: Any, batch: Any) -> int:
@@ -484,6 +499,23 @@ class Learner:
         batch = hax.shard(batch, self.compute_axis_mapping)
         # The step levanter runs when jit hooks (the gradient-norm watch) are due: every step.
         return self._trainer()._jit_train_step_fn.lower(state, (batch,), self._frozen)
+
+    def prepare(self, state: Any, batches: list[Any]) -> list[Any]:
+        """``batches`` (the minibatches of one trainer step), sharded, each with
+        ``prepared`` set to what the loss's preparation computes from ``state``'s model before
+        any of the step's updates; unchanged (but sharded) when the loss prepares nothing."""
+        import equinox as eqx
+        import haliax as hax
+
+        with self._context():
+            batches = [hax.shard(b, self.compute_axis_mapping) for b in batches]
+            if self._prepare is None:
+                return batches
+            outs = self._prepare(state.model, tuple(batches), self._frozen)
+        return [
+            eqx.tree_at(lambda b: b.prepared, b, dict(out), is_leaf=lambda x: x is None)
+            for b, out in zip(batches, outs, strict=True)
+        ]
 
     def step(self, state: Any, batch: Any) -> tuple[Any, float, dict[str, float]]:
         """One optimizer step: ``(new_state, loss, metrics)``. ``state`` is donated."""

@@ -35,12 +35,27 @@ from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
 from marin_rl_core.learner.checkpoint import (
     checkpoints_newest_first,
+    has_loss_state,
     load_newest,
     read_state,
     save_checkpoint,
 )
-from marin_rl_core.learner.loss import batch_options, policy_of, with_loss_state
-from marin_rl_core.learner.step import Learner, all_finite, make_schedule, plugin_loss_fn
+from marin_rl_core.learner.loss import (
+    TrainedModel,
+    batch_options,
+    policy_of,
+    update_plan,
+    with_loss_state,
+)
+from marin_rl_core.learner.optimizer import make_schedule
+from marin_rl_core.learner.samples import write_samples
+from marin_rl_core.learner.step import (
+    Learner,
+    all_finite,
+    metric_reduction,
+    plugin_loss_fn,
+    plugin_prepare_fn,
+)
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.protocols import RolloutReader, WeightTransferServer
@@ -62,26 +77,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.monotonic()
     fn()
     return time.monotonic() - start
-
-
-def sample_turns(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
-    """Each turn of ``rollout`` decoded, as ``samples.jsonl`` shows it: the policy's
-    ``action``, the env's ``observation`` after it (empty after the last turn) and the turn's
-    ``reward``."""
-    turns = []
-    for (start, end), reward in zip(rollout.turn_spans(), rollout.turn_rewards.tolist()):
-        mask = rollout.loss_mask[start:end]
-        # An action is the run of sampled tokens the turn starts with; the rest is observation.
-        unsampled = np.flatnonzero(~mask)
-        split = start + (int(unsampled[0]) if unsampled.size else end - start)
-        turns.append(
-            {
-                "action": tokenizer.decode(rollout.tokens[start:split].tolist()),
-                "observation": tokenizer.decode(rollout.tokens[split:end].tolist()),
-                "reward": reward,
-            }
-        )
-    return turns
 
 
 def zero_variance_fraction(rollouts: list[Rollout]) -> float:
@@ -167,10 +162,21 @@ class Trainer:
             self.loss, model, key=jax.random.PRNGKey(config.seed + 2),
             learning_rate=config.trainer.learning_rate,
         )  # fmt: skip
+        # Several updates per step (PPO's epochs x minibatches), a frozen policy at first
+        # (value pretraining): the learning-rate schedule counts updates.
+        self.plan = update_plan(self.loss)
         self.learner.set_loss(
-            plugin_loss_fn(self.loss), reference=reference, state_learning_rate=state_lr
+            plugin_loss_fn(self.loss),
+            reference=reference,
+            state_learning_rate=state_lr,
+            prepare_fn=plugin_prepare_fn(self.loss),
+            plan=self.plan,
         )
-        self._schedule = make_schedule(config.trainer)
+        self._schedule = make_schedule(
+            config.trainer,
+            updates_per_step=self.plan.updates_per_step,
+            frozen_updates=self.plan.frozen_policy_steps * self.plan.updates_per_step,
+        )
         key = jax.random.PRNGKey(config.seed + 1)
         if checkpoints_newest_first(self.run_dir):
             # Resuming: the checkpoint is read into the state's shapes, so that one trainer state
@@ -183,6 +189,7 @@ class Trainer:
         self.step = 0
         self.resumed_state: dict[str, Any] = {}
         self.resume_warnings: list[str] = []
+        self.resume_notes: list[str] = []  # what a resume could not restore (_restore)
         self.replay = ReplayBuffer(config.replay_buffer, self.loss, seed=config.seed)
         self.rollout_positions: dict[int, int] = {}
         """Per rollout worker, the counter after the newest batch read from storage."""
@@ -190,6 +197,7 @@ class Trainer:
         checkpoint = None
         if found is not None:
             checkpoint, (self.resumed_state, self.state), self.resume_warnings = found
+            self.resume_warnings += self.resume_notes
             self.step = int(self.resumed_state["step"])
             self.rollout_positions = {
                 int(k): int(v) for k, v in self.resumed_state.get("rollout_positions", {}).items()
@@ -227,7 +235,37 @@ class Trainer:
         replay = path / REPLAY_FILE
         if replay.exists():  # checkpoints of older versions have none: an empty buffer
             self.replay.load_state_dict(replay.read_bytes(), state["replay_buffer"])
+        if has_loss_state(path) != isinstance(like.model, TrainedModel):
+            return state, self._restore_policy_only(path, like)
         return state, self.learner.restore(path, like)
+
+    def _restore_policy_only(self, path: Path, like: Any) -> Any:
+        """The trainer state from a checkpoint written by a loss with trainable state when this
+        run's loss has none, or the other way round (a run switched from ``rloo`` to ``ppo``):
+        the policy and the step resume; the loss's state starts fresh (a new critic) or is
+        left behind, and so does the optimizer's state, whose structure differs (its counters
+        go on from the checkpoint's step, so the learning-rate schedule continues)."""
+        import jax
+
+        policy = self.learner.restore(
+            path, policy_of(like.model), subpath="model/policy" if has_loss_state(path) else "model"
+        )
+        step = self.learner.restore(path, like.step, subpath="step")
+        model, _ = with_loss_state(
+            self.loss, policy, key=jax.random.PRNGKey(self.config.seed + 2),
+            learning_rate=self.config.trainer.learning_rate,
+        )  # fmt: skip
+        fresh = self.learner.init_state(model, key=jax.random.PRNGKey(self.config.seed + 1))
+        if isinstance(model, TrainedModel):
+            what = f"the {self.config.loss.name} loss's trainable state (its critic) starts fresh"
+        else:
+            what = "the trainable state of the loss that wrote it (a critic) is left behind"
+        self.resume_notes.append(
+            f"checkpoint {path.name} was written by a loss "
+            f"{'with' if has_loss_state(path) else 'without'} trainable state: the policy and "
+            f"the step resume from it, {what}, and the optimizer's moments start fresh"
+        )
+        return self.learner.with_step(fresh, step)
 
     def _enter(self, stage: str) -> float:
         """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
@@ -355,16 +393,22 @@ class Trainer:
         return None
 
     @property
-    def _row_multiple(self) -> int:
-        """Packed batches have a multiple of this many rows (or ``batch_size`` rows, which
-        :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts` never exceeds): an
-        eighth of the batch (so at most nine shapes compile), and whole micro-batches and
-        data-parallel shards."""
+    def _minibatch_size(self) -> int:
+        """Rollouts per optimizer update: the batch, or its part when the loss cuts it into
+        minibatches (config validation checks that they divide it)."""
+        return self.config.trainer.batch_size // self.plan.minibatches
+
+    def _row_multiple(self, size: int) -> int:
+        """Packed batches of ``size`` rollouts have a multiple of this many rows (or ``size``
+        rows, which :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts`
+        never exceeds): an eighth of the batch (so at most nine shapes compile), and whole
+        micro-batches and data-parallel shards."""
         t = self.config.trainer
         unit = t.microbatch_size or self.learner.sizes["batch_shards"]
-        return math.lcm(max(1, t.batch_size // 8), unit)
+        return math.lcm(max(1, size // 8), unit)
 
     def _training_batch(self, rollouts: list[Rollout], advantages: np.ndarray) -> Any:
+        """The training batch of one optimizer update (``_minibatch_size`` rollouts at most)."""
         from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 
         # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
@@ -375,9 +419,9 @@ class Trainer:
             self.config.model.max_seq_len,
             self.tokenizer.pad_id,
             temperature=temperature,
-            batch_size=self.config.trainer.batch_size,
+            batch_size=self._minibatch_size,
             pack=self.config.trainer.pack_rollouts,
-            row_multiple=self._row_multiple,
+            row_multiple=self._row_multiple(self._minibatch_size),
             trim=self.config.trainer.trim_rows,
             **batch_options(self.loss),
         )
@@ -413,55 +457,56 @@ class Trainer:
         thread.start()
         return thread
 
+    def _minibatches(self, rollouts: list[Rollout], advantages: np.ndarray) -> list[Any]:
+        """The step's training batches: one, or the loss's minibatches (a random partition of
+        the rollouts, the same for every epoch of the step; seeded by the run's seed and the
+        step, so a resumed run cuts a step as the uninterrupted one did)."""
+        parts = self.plan.minibatches
+        if parts == 1:
+            return [self._training_batch(rollouts, advantages)]
+        order = np.random.default_rng([self.config.seed, self.step]).permutation(len(rollouts))
+        return [
+            self._training_batch([rollouts[i] for i in idx], advantages[idx])
+            for idx in np.array_split(order, parts)
+        ]
+
     def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
-        """One optimizer step on ``rollouts``; returns its metrics (host floats)."""
-        batch = self._training_batch(rollouts, advantages)
+        """One trainer step on ``rollouts``: one optimizer update, or the loss's epochs over its
+        minibatches (:class:`~marin_rl_core.protocols.UpdatePlan`), after the loss's
+        preparation. Returns the step's metrics (host floats; the means over its updates)."""
+        batches = self._minibatches(rollouts, advantages)
         start = self._enter("in a training step")
-        state, loss, out = self.learner.step(self.state, batch)
-        seconds = time.monotonic() - start
-        out["loss"] = loss
-        out["step_seconds"] = seconds
-        bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
-        if bad:
-            raise TrainingDivergedError(
-                f"training diverged at step {self.step + 1}: non-finite {', '.join(bad)}. "
-                f"{self._kept()}; lower trainer.learning_rate or trainer.max_grad_norm."
-            )
+        batches = self.learner.prepare(self.state, batches)
+        rng = np.random.default_rng([self.config.seed, self.step, 1])
+        totals: dict[str, list[float]] = {}
+        state, updates = self.state, 0
+        for epoch in range(self.plan.epochs):
+            order = rng.permutation(len(batches)) if epoch else range(len(batches))
+            for i in order:
+                state, loss, out = self.learner.step(state, batches[i])
+                out["loss"] = loss
+                bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
+                if bad:
+                    many = self.plan.updates_per_step > 1
+                    where = f" (epoch {epoch + 1}, update {updates + 1})" if many else ""
+                    raise TrainingDivergedError(
+                        f"training diverged at step {self.step + 1}{where}: non-finite "
+                        f"{', '.join(bad)}. {self._kept()}; lower trainer.learning_rate or "
+                        "trainer.max_grad_norm."
+                    )
+                for name, value in out.items():
+                    totals.setdefault(name, []).append(value)
+                updates += 1
+        # Over the step's updates: counts summed over one pass, extremes kept, others averaged.
+        combine = {
+            "sum": lambda v: sum(v) / self.plan.epochs, "max": max, "min": min,
+            "mean": lambda v: sum(v) / len(v),
+        }  # fmt: skip
+        metrics = {name: combine[metric_reduction(name)](v) for name, v in totals.items()}
+        metrics["step_seconds"] = time.monotonic() - start
         self.state = state
         self.step += 1
-        return out
-
-    def _write_samples(self, rollouts: list[Rollout]) -> None:
-        """Append a few trained-on rollouts, decoded, to ``samples.jsonl``."""
-        n = self.config.logging.samples_per_step
-        if n <= 0:
-            return
-        import json
-
-        with (self.run_dir / "samples.jsonl").open("a") as f:
-            for r in rollouts[:n]:
-                meta = r.metadata
-                f.write(
-                    json.dumps(
-                        {
-                            "step": self.step,
-                            "lesson": r.lesson_id,
-                            "problem": r.problem_id,
-                            "prompt": self.tokenizer.decode(r.prompt_tokens.tolist()),
-                            "response": self.tokenizer.decode(r.response_tokens.tolist()),
-                            "turns": sample_turns(r, self.tokenizer),
-                            "part": r.part,
-                            "reward": r.reward,
-                            "truncated": r.truncated,
-                            "worker_id": meta.worker_id if meta else None,
-                            "worker": meta.worker_index if meta else None,
-                            "batch": meta.batch_index if meta else None,
-                            "weight_step": meta.weight_step if meta else None,
-                            "timestamp": meta.timestamp if meta else None,
-                        }
-                    )
-                    + "\n"
-                )
+        return metrics
 
     def run(self) -> int:
         """Train until ``num_train_steps`` or a stop request; returns the step reached.
@@ -487,7 +532,7 @@ class Trainer:
             metrics = self.train_one_step(rollouts, advantages)
             self.replay.set_current_step(self.step)
             metrics.update(
-                learning_rate=float(self._schedule(self.step - 1)),
+                learning_rate=float(self._schedule((self.step - 1) * self.plan.updates_per_step)),
                 reward=float(np.mean([r.reward for r in rollouts])),
                 frac_zero_variance_groups=zero_variance_fraction(rollouts),
                 mean_weight_lag=float(
@@ -510,7 +555,10 @@ class Trainer:
                 metrics.update({k: v / steps_since_log for k, v in stages.items()})
                 stages, steps_since_log = dict.fromkeys(STAGE_KEYS, 0.0), 0
                 self._log(metrics, step=self.step, source="train")
-            self._write_samples(rollouts)
+            write_samples(
+                self.run_dir / "samples.jsonl", rollouts[: max(self.config.logging.samples_per_step, 0)],
+                step=self.step, tokenizer=self.tokenizer,
+            )  # fmt: skip
             if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
                 stages["checkpoint_seconds"] += _timed(self.checkpoint)
         if self.last_checkpoint_step != self.step:

@@ -64,6 +64,9 @@ class TrainingBatch(eqx.Module):
         token_rewards: ``None``, or (for value-based losses, which ask for them) float32: the
             reward of the token predicted at each masked position (``Rollout.dense_rewards``:
             each turn's reward on its last sampled token, unless the env gave per-token ones).
+        prepared: ``None``, or per-token ``[batch, position]`` arrays by name that the loss
+            computed from the model once per trainer step, before any of its updates
+            (``RLLossModule.create_prepare_fn``; PPO's old values and whitened advantages).
 
     Losses pass ``segment_ids`` and ``position_ids`` on to
     :func:`~marin_rl_core.models.logprobs.next_token_logprobs_and_entropy` (``batch_logprobs_and_entropy``
@@ -80,6 +83,7 @@ class TrainingBatch(eqx.Module):
     loss_weight: NamedArray | None = None
     token_weight: NamedArray | None = None
     token_rewards: NamedArray | None = None
+    prepared: dict[str, NamedArray] | None = None
 
     @property
     def Batch(self) -> Axis:
