@@ -45,6 +45,8 @@ class ExitCode(enum.IntEnum):
     """The watchdog stopped a job in which no training step completed for too long."""
     WORKER_LOST = 13
     """A worker process died more often than it may be restarted."""
+    STORAGE = 14
+    """Rollout storage (a bucket, a path) did not answer within its timeouts and retries."""
     INTERRUPTED = 130
     """Stopped by Ctrl-C or SIGTERM; a resumable checkpoint was written."""
 

@@ -88,7 +88,8 @@ class LossPlugin(PluginRecord):
 
 @attrs.frozen(kw_only=True)
 class StoragePlugin(PluginRecord):
-    """A :class:`~marin_rl_core.protocols.RolloutStorage`. ``build(config) -> RolloutStorage``."""
+    """A :class:`~marin_rl_core.protocols.RolloutStorage`.
+    ``build(config, run) -> RolloutStorage`` (``run``: :class:`~marin_rl_core.types.RunInfo`)."""
 
     kind: ClassVar[str] = "storage"
     protocol_name: ClassVar[str] = "RolloutStorage"

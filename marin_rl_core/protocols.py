@@ -201,7 +201,12 @@ class RolloutWriter(Protocol):
 
 @runtime_checkable
 class RolloutReader(Protocol):
-    """The trainer's end of rollout storage."""
+    """The trainer's end of rollout storage.
+
+    Exactly once across restarts: the trainer saves :meth:`position` with each checkpoint (the
+    replay buffer holds, or the model has trained on, every batch read up to there) and a
+    resumed trainer reads from ``RolloutStorage.reader(position)``: every batch written is
+    returned once after the position it was read at, so none is trained on twice or lost."""
 
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         """Return up to ``max_batches`` batches not returned before, waiting up to ``timeout``
@@ -209,18 +214,41 @@ class RolloutReader(Protocol):
         not lose batches: the next call returns them."""
         ...
 
+    def position(self) -> Any:
+        """Where this reader is: a JSON-able value after every batch returned so far, which
+        ``RolloutStorage.reader(position)`` goes on from."""
+        ...
+
+    def checkpointed(self, position: Any) -> None:
+        """A checkpoint holding every batch read up to ``position`` is durably written: storage
+        may forget those batches (retention). Never raises for a storage problem (log it)."""
+        ...
+
 
 @runtime_checkable
 class RolloutStorage(Protocol):
     """Where rollouts go between the rollout workers and the trainer.
 
-    Built once by the driver; ``writer()`` and ``reader()`` are called on the worker processes,
-    so the storage object must be picklable (a handle, not the data).
+    Built once by the driver (``build(config, run)``, :class:`~marin_rl_core.types.RunInfo`);
+    ``writer()`` and ``reader()`` are called on the worker processes, so the storage object
+    must be picklable (a handle, not the data).
     """
 
-    def writer(self) -> RolloutWriter: ...
+    def writer(self, *, name: str = "") -> RolloutWriter:
+        """A writer for one rollout worker; ``name`` (``"rollout-3"``) labels its batches where
+        the storage shows them."""
+        ...
 
-    def reader(self) -> RolloutReader: ...
+    def reader(self, position: Any = None) -> RolloutReader:
+        """The trainer's reader, going on after ``position`` (a value :meth:`RolloutReader.position`
+        gave, saved with a checkpoint; ``None``: from the start). A position of another job's
+        storage that this one cannot use starts from the start."""
+        ...
+
+    def close(self) -> None:
+        """Release what the storage holds for the job (called once, by the driver, at the end;
+        data meant to outlive the job stays)."""
+        ...
 
 
 @runtime_checkable

@@ -312,8 +312,13 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
 
 def check_storage(record: StoragePlugin) -> None:
     """Contract of a storage: protocol only (a round trip may need a running service)."""
-    storage = record.build(check_config_class(record))
-    assert isinstance(storage, protocols.RolloutStorage), f"storage {record.name!r}"
+    import tempfile
+
+    from marin_rl_core.types import RunInfo
+
+    with tempfile.TemporaryDirectory(prefix="marinrl-check-") as run_dir:
+        storage = record.build(check_config_class(record), RunInfo(run_id="check", run_dir=run_dir))
+        assert isinstance(storage, protocols.RolloutStorage), f"storage {record.name!r}"
 
 
 def check_weight_transfer(record: WeightTransferPlugin) -> None:

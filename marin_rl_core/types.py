@@ -402,6 +402,21 @@ class RolloutBatch:
 
 
 @attrs.frozen(kw_only=True)
+class RunInfo:
+    """The run a storage plugin is built for (``StoragePlugin.build(config, run)``).
+
+    Args:
+        run_id: the run's id (the last part of its run directory): names the run's rollouts
+            where several runs share a bucket.
+        run_dir: the run directory, as given (a local path; where a storage keeps rollouts by
+            default).
+    """
+
+    run_id: str
+    run_dir: str
+
+
+@attrs.frozen(kw_only=True)
 class LessonDependency:
     """A lesson unlocks only once ``lesson`` reaches ``reward_threshold`` in eval."""
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import attrs
 
-from marin_rl_core import RolloutBatch, StoragePlugin, hookimpl
+from marin_rl_core import RolloutBatch, RunInfo, StoragePlugin, hookimpl
 
 
 @attrs.frozen(kw_only=True)
@@ -192,10 +192,17 @@ class MemoryRolloutWriter:
 class MemoryRolloutReader:
     """The trainer's end: every accepted batch is returned by exactly one successful call."""
 
-    def __init__(self, queue: Any):
+    def __init__(self, queue: Any, queue_name: str, after: int = 0):
         self._queue = queue
-        self.position = 0
+        self._queue_name = queue_name
+        self.after = after
         """The number of the last batch this reader has received (0: none yet)."""
+
+    def position(self) -> dict[str, Any]:
+        return {"queue": self._queue_name, "after": self.after}
+
+    def checkpointed(self, position: Any) -> None:
+        """Nothing to forget: the queue drops each batch once the next read acknowledges it."""
 
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         import ray
@@ -204,10 +211,10 @@ class MemoryRolloutReader:
 
         if max_batches < 1:
             return []
-        items = ray.get(self._queue.take.remote(self.position, max_batches, max(0.0, timeout)))
+        items = ray.get(self._queue.take.remote(self.after, max_batches, max(0.0, timeout)))
         batches = [deserialize_rollout_batch(data) for _, data in items]
         if items:  # only now received: the next read acknowledges them
-            self.position = items[-1][0]
+            self.after = items[-1][0]
         return batches
 
 
@@ -250,11 +257,17 @@ class MemoryRolloutStorage:
             ).remote(self.config.capacity)
         return self._queue
 
-    def writer(self) -> MemoryRolloutWriter:
+    def writer(self, *, name: str = "") -> MemoryRolloutWriter:
         return MemoryRolloutWriter(self._queue_actor(), description=self._description)
 
-    def reader(self) -> MemoryRolloutReader:
-        return MemoryRolloutReader(self._queue_actor())
+    def reader(self, position: Any = None) -> MemoryRolloutReader:
+        """The queue's reader; ``position`` goes on after the batch it names when it is of this
+        queue (a reader of the same job started again), and is ignored otherwise: the queue of
+        an earlier job is gone with its batches, which that job's checkpoint holds."""
+        after = 0
+        if isinstance(position, dict) and position.get("queue") == self.queue_name:
+            after = int(position.get("after", 0))
+        return MemoryRolloutReader(self._queue_actor(), self.queue_name, after)
 
     def stats(self) -> dict[str, int]:
         """Counters of the queue: queued, accepted and taken batches, write timeouts."""
@@ -276,7 +289,7 @@ class MemoryRolloutStorage:
         self._queue = None
 
 
-def build_memory_storage(config: MemoryStorageConfig) -> MemoryRolloutStorage:
+def build_memory_storage(config: MemoryStorageConfig, run: RunInfo) -> MemoryRolloutStorage:
     return MemoryRolloutStorage(config)
 
 

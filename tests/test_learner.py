@@ -88,7 +88,7 @@ def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(
     from marin_rl_core.learner.trainer import Trainer
 
     registry, config = rloo_job(kl_coef=0.01)
-    trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    trainer = Trainer(config, registry, run_dir=tmp_path, storage=None)
     batch = trainer._training_batch(
         short_rollouts(8, trainer.tokenizer, 3), np.linspace(-1, 1, 8).astype(np.float32)
     )
@@ -110,7 +110,7 @@ def test_a_resumed_trainer_reads_its_checkpoint_with_no_other_state_alive(tmp_pa
     from marin_rl_core.learner.trainer import Trainer
 
     registry, config = rloo_job(kl_coef=0.0)
-    first = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    first = Trainer(config, registry, run_dir=tmp_path, storage=None)
     first.checkpoint()
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(first.state) if hasattr(x, "nbytes"))
     del first
@@ -126,7 +126,7 @@ def test_a_resumed_trainer_reads_its_checkpoint_with_no_other_state_alive(tmp_pa
         return restore(self, checkpoint, like)
 
     monkeypatch.setattr(Learner, "restore", watched)
-    resumed = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    resumed = Trainer(config, registry, run_dir=tmp_path, storage=None)
     assert resumed.step == 0 and len(alive_when_read) == 1
     assert alive_when_read[0] - before < 0.25 * state_bytes, (alive_when_read, before, state_bytes)
     restored = sum(x.nbytes for x in jax.tree.leaves(resumed.state) if hasattr(x, "nbytes"))

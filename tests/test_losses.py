@@ -504,7 +504,7 @@ def test_a_ppo_trainer_step_makes_epochs_x_minibatches_updates_after_value_pretr
                    "loss.minibatches=2", "loss.value_pretrain_steps=1", "loss.vf_clip=0.01",
                    "loss.critic_learning_rate=0.05", "trainer.warmup_steps=0"],
     )  # fmt: skip
-    trainer = Trainer(config, registry, run_dir=tmp_path, reader=None)
+    trainer = Trainer(config, registry, run_dir=tmp_path, storage=None)
     rs = rollouts(8, seed=3, lesson="mock")
 
     def weights():
@@ -613,13 +613,13 @@ def test_a_stopped_and_resumed_ppo_trainer_matches_an_uninterrupted_one(tmp_path
         for rs in steps:
             trainer.train_one_step(rs, np.zeros(8, np.float32))
 
-    straight = Trainer(config, registry, run_dir=tmp_path / "straight", reader=None)
+    straight = Trainer(config, registry, run_dir=tmp_path / "straight", storage=None)
     train(straight, batches)
-    first = Trainer(config, registry, run_dir=tmp_path / "stopped", reader=None)
+    first = Trainer(config, registry, run_dir=tmp_path / "stopped", storage=None)
     train(first, batches[:2])
     first.checkpoint()
     del first
-    resumed = Trainer(config, registry, run_dir=tmp_path / "stopped", reader=None)
+    resumed = Trainer(config, registry, run_dir=tmp_path / "stopped", storage=None)
     assert resumed.step == 2 and not resumed.resume_warnings
     train(resumed, batches[2:])
 
@@ -647,7 +647,7 @@ def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_p
             overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
                        "model.max_seq_len=24", "loss.kl_coef=0.0"],
         )  # fmt: skip
-        return Trainer(config, registry, run_dir=tmp_path, reader=None)
+        return Trainer(config, registry, run_dir=tmp_path, storage=None)
 
     def embedding(t):
         return np.asarray(policy_of(t.state.model).embeddings.token_embeddings.weight.array)

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 from marin_rl_plugins import memory_storage  # noqa: E402
 from marin_rl_plugins.memory_storage import MemoryStorageConfig  # noqa: E402
 
-from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata  # noqa: E402
+from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata, RunInfo  # noqa: E402
 from marin_rl_core.registry import build_registry  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def make_storage():
     def make(**config):
         registry = build_registry(autoload=False, modules=[memory_storage])
         record = registry.get("storage", "memory")
-        storage = record.build(record.config_class(**config))
+        storage = record.build(record.config_class(**config), RunInfo(run_id="t", run_dir="."))
         made.append(storage)
         return storage
 
@@ -46,7 +46,7 @@ def make_storage():
         storage.close()
 
 
-def make_batch(writer: str, index: int, *, group_sizes=(2, 1)) -> RolloutBatch:
+def make_batch(writer: str, index: int, *, group_sizes=(2, 1), timestamp=1.0) -> RolloutBatch:
     """A batch whose rollouts say who wrote it and its position in that writer's sequence."""
     groups = []
     for g, size in enumerate(group_sizes):
@@ -61,7 +61,9 @@ def make_batch(writer: str, index: int, *, group_sizes=(2, 1)) -> RolloutBatch:
                         response_tokens=[index, k],
                         response_logprobs=[-0.5, -0.25],
                         reward=float(k),
-                        metadata=RolloutMetadata(worker_id=writer, timestamp=1.0, weight_step=0),
+                        metadata=RolloutMetadata(
+                            worker_id=writer, timestamp=timestamp, weight_step=0
+                        ),
                     )
                     for k in range(size)
                 ]
@@ -240,3 +242,59 @@ def test_a_failed_read_loses_nothing_and_the_next_read_gets_the_same_batches(
 def test_config_rejects_a_zero_capacity():
     with pytest.raises(ValueError, match="capacity must be >= 1"):
         MemoryStorageConfig(capacity=0)
+
+
+def test_a_reader_started_again_from_its_position_goes_on_after_it(make_storage):
+    """What a resumed trainer does: a new reader from the saved (JSON) position returns only
+    the batches after it; a position of another job's queue starts from the start."""
+    import json
+
+    storage = make_storage(capacity=16)
+    writer = storage.writer(name="rollout-0")
+    for i in range(5):
+        writer.write_batch(make_batch("w", i), timeout=5)
+    first = storage.reader()
+    assert [batch_key(b) for b in first.read_batches(max_batches=3, timeout=1)] == [
+        ("w", 0), ("w", 1), ("w", 2)
+    ]  # fmt: skip
+    saved = json.loads(json.dumps(first.position()))
+    first.checkpointed(saved)
+    again = storage.reader(saved)
+    assert [batch_key(b) for b in again.read_batches(max_batches=10, timeout=1)] == [
+        ("w", 3), ("w", 4)
+    ]  # fmt: skip
+    other = make_storage(capacity=4)
+    other.writer().write_batch(make_batch("v", 0), timeout=5)
+    assert [batch_key(b) for b in other.reader(saved).read_batches(max_batches=10, timeout=1)] == [
+        ("v", 0)
+    ]  # fmt: skip
+
+
+def test_a_resumed_trainer_reads_on_after_the_batches_its_checkpoint_holds(make_storage, tmp_path):
+    """Exactly once across a trainer restart: batches read before the checkpoint come back in
+    its replay buffer and are not read again; the ones after it are read once."""
+    from marin_rl_core.config import resolve_config
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "mock", "loss": "rloo"},
+        overrides=["trainer.batch_size=6", "sampling.n_generations_per_prompt=2"],
+    )
+    storage = make_storage(capacity=16)
+    writer = storage.writer(name="rollout-0")
+    for i in range(3):
+        writer.write_batch(make_batch("w", i, group_sizes=(2, 2), timestamp=time.time()), timeout=5)
+    first = Trainer(config, registry, run_dir=tmp_path, storage=storage)
+    read = first.reader.read_batches(max_batches=2, timeout=1)
+    first.replay.add_batches(read, current_step=0)
+    held = len(first.replay)
+    assert held == 8
+    first.checkpoint()
+    del first
+    writer.write_batch(make_batch("w", 3, group_sizes=(2, 2), timestamp=time.time()), timeout=5)
+    resumed = Trainer(config, registry, run_dir=tmp_path, storage=storage)
+    assert len(resumed.replay) == held
+    later = resumed.reader.read_batches(max_batches=10, timeout=1)
+    assert [batch_key(b) for b in later] == [("w", 2), ("w", 3)]

@@ -221,7 +221,7 @@ class TrainerService(_SetUpError):
             config,
             registry,
             run_dir=wc.run_dir,
-            reader=storage.reader(),
+            storage=storage,
             weight_server=self.server,
             # Awaited: a step's row is in metrics.jsonl before its checkpoint is written.
             log=lambda metrics, *, step, source: ray.get(
@@ -311,7 +311,7 @@ class RolloutService(_SetUpError):
             config,
             registry,
             worker_index=wc.index,
-            writer=storage.writer(),
+            writer=storage.writer(name=f"rollout-{wc.index}"),
             weight_client=None,  # connected in run(), once the trainer's server is up
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),

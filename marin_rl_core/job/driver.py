@@ -342,7 +342,11 @@ class RLJob:
         trainer_wc, rollout_wcs = self.to_worker_configs()
         faults = config.faults
         actors: list[Any] = []
-        storage = self.registry.get("storage", config.storage.name).build(config.storage.config)
+        from marin_rl_core.types import RunInfo
+
+        storage = self.registry.get("storage", config.storage.name).build(
+            config.storage.config, RunInfo(run_id=self.run_id, run_dir=str(self.run_dir))
+        )
         try:
             names = {role: f"marinrl-{self.run_id}-{os.urandom(4).hex()}-{role}" for role in
                      ("hub", "curriculum")}  # fmt: skip
@@ -431,12 +435,10 @@ class RLJob:
         finally:
             for actor in actors:
                 ray.kill(actor)
-            close = getattr(storage, "close", None)
-            if close is not None:
-                try:
-                    close()
-                except Exception:  # the queue actor may already be gone with Ray
-                    pass
+            try:
+                storage.close()
+            except Exception:  # noqa: BLE001 - e.g. the queue actor already gone with Ray
+                logger.debug("closing the rollout storage failed", exc_info=True)
         return JobResult(
             run_dir=self.run_dir,
             final_step=final_step,

@@ -58,7 +58,7 @@ from marin_rl_core.learner.step import (
 )
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
-from marin_rl_core.protocols import RolloutReader, WeightTransferServer
+from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import Rollout
 
@@ -105,7 +105,8 @@ class Trainer:
         config: the resolved run config.
         registry: the loaded plugins (the loss is built from it).
         run_dir: where checkpoints go and are resumed from.
-        reader: rollout storage's reader end.
+        storage: rollout storage (its reader is made here, after the checkpoint restored
+            says where to go on from); ``None`` trains only on batches handed in.
         weight_server: publishes weights to rollout workers; ``None`` trains without syncing.
         log: ``log(metrics, step=..., source="train")``, e.g. a :class:`MetricsHub` method.
         curriculum_state: returns the curriculum's state to save beside checkpoints.
@@ -117,7 +118,7 @@ class Trainer:
         registry: Registry,
         *,
         run_dir: str | Path,
-        reader: RolloutReader,
+        storage: RolloutStorage | None,
         weight_server: WeightTransferServer | None = None,
         log: Callable[..., Any] | None = None,
         curriculum_state: Callable[[], dict[str, Any]] | None = None,
@@ -134,7 +135,7 @@ class Trainer:
             for lesson in config.curriculum.lessons
         }
         self.run_dir = Path(run_dir)
-        self.reader = reader
+        self.reader: RolloutReader | None = None
         self.weight_server = weight_server
         self._log = log or (lambda metrics, *, step, source: None)
         self._curriculum_state = curriculum_state or dict
@@ -212,6 +213,9 @@ class Trainer:
                 len(self.replay),
                 self.rollout_positions or "0",
             )
+        if storage is not None:
+            # Read on after the batches the checkpoint holds (or trained on): exactly once.
+            self.reader = storage.reader(self.resumed_state.get("storage_position"))
         logger.info(
             "trainer mesh: %s over %d device(s) (%s), precision %s",
             self.learner.sizes,
@@ -350,6 +354,8 @@ class Trainer:
                 f"{self._kept()}; lower trainer.learning_rate or trainer.max_grad_norm."
             )
         replay_data, replay_state = self.replay.state_dict()
+        # Taken with the replay buffer's state: every batch read up to here is in it or trained.
+        position = None if self.reader is None else self.reader.position()
         path = save_checkpoint(
             self.run_dir,
             self.step,
@@ -358,10 +364,13 @@ class Trainer:
                 "curriculum": self._curriculum_state(),
                 "replay_buffer": replay_state,
                 "rollout_positions": {str(k): v for k, v in self.rollout_positions.items()},
+                "storage_position": position,
             },
             files={REPLAY_FILE: replay_data},
         )
         self.last_checkpoint_step = self.step
+        if self.reader is not None:
+            self.reader.checkpointed(position)  # storage may now forget those batches
         return path
 
     # --- the loop -----------------------------------------------------------------------------
@@ -379,6 +388,8 @@ class Trainer:
                     np.asarray(advantages, dtype=np.float32),
                     time.monotonic() - start,
                 )
+            if self.reader is None:
+                raise RuntimeError("this trainer has no rollout storage to read from")
             batches = self.reader.read_batches(max_batches=64, timeout=0.5)
             if batches:
                 self._last_read = time.monotonic()
