@@ -61,6 +61,21 @@ class StorageUnavailableError(MarinRLError):
     exit_code = ExitCode.STORAGE
 
 
+def _openable(instance: Any, attribute: Any, url: str) -> None:
+    """A URL whose filesystem is installed (checked with the config, before anything starts)."""
+    if not url:
+        return
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        hint = " (pip install 'marin-rl[s3]')" if protocol in ("s3", "s3a") else ""
+        raise ValueError(f"{url!r} cannot be opened: {why}{hint}") from None
+
+
 @attrs.frozen(kw_only=True)
 class ObjectStorageConfig:
     """Config of the ``gcs`` rollout storage.
@@ -83,7 +98,7 @@ class ObjectStorageConfig:
         retries: attempts after the first, with backoff, before a call fails.
     """
 
-    url: str = ""
+    url: str = attrs.field(default="", validator=_openable)
     max_unread_batches: int = attrs.field(default=16, validator=attrs.validators.ge(0))
     poll_interval_s: float = attrs.field(default=0.2, validator=attrs.validators.gt(0))
     list_interval_s: float = attrs.field(default=2.0, validator=attrs.validators.gt(0))
@@ -106,7 +121,11 @@ class _Bucket:
 
         self.root = root.rstrip("/")
         self.config = config
-        self.fs, self.path = fsspec.core.url_to_fs(self.root)
+        # A filesystem of our own (fsspec caches them per URL) that never answers from a cached
+        # listing: new writers and batches must show up on the next look.
+        self.fs, self.path = fsspec.core.url_to_fs(
+            self.root, skip_instance_cache=True, use_listings_cache=False
+        )
         self.local = "file" in _protocols(self.fs)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="marinrl-bucket")
 

@@ -21,6 +21,93 @@ from marin_rl_plugins.object_storage import (
 from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RunInfo, build_registry
 from marin_rl_core.errors import ExitCode
 
+# --- the backends: a local path, and real servers on loopback -----------------------------------
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _serve(argv: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
+    """Start a server and wait (bounded) until it accepts connections."""
+    import socket
+
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"{argv[0]} exited with {proc.returncode}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"{argv[0]} did not listen on port {port} within 60 s")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """gcp-storage-emulator (for gs://) and moto (for s3://), with the environment gcsfs and
+    s3fs read set in this process (writer subprocesses and Ray workers inherit it)."""
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("s3fs")
+    bin_dir = os.path.dirname(sys.executable)
+    gcs_port, s3_port = _free_port(), _free_port()
+    env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs_port}",
+        # Newer gcsfs probes the bucket for hierarchical namespaces; the emulator stalls it 60 s.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",  # moto rejects LocationConstraint us-east-1
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    procs = [
+        _serve([os.path.join(bin_dir, "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
+                "--port", str(gcs_port), "--in-memory"], gcs_port, dict(os.environ)),
+        _serve([os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
+               s3_port, dict(os.environ)),
+    ]  # fmt: skip
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def new_bucket(scheme: str) -> str:
+    """A fresh bucket on the loopback server of ``scheme``: its URL."""
+    import uuid
+
+    import fsspec
+
+    name = f"marinrl-{uuid.uuid4().hex[:10]}"
+    fs, _ = fsspec.core.url_to_fs(f"{scheme}://{name}", skip_instance_cache=True)
+    fs.mkdir(name, **({"region_name": "eu-west-1"} if scheme == "s3" else {}))
+    return f"{scheme}://{name}/rollouts"
+
+
+@pytest.fixture(params=["path", "gs", "s3"])
+def backend(request, tmp_path):
+    """The ``url`` of a storage: empty (the run directory), or a bucket on a loopback server."""
+    if request.param == "path":
+        return ""
+    request.getfixturevalue("servers")
+    return new_bucket(request.param)
+
 
 def make_batch(writer: str, index: int) -> RolloutBatch:
     return RolloutBatch(
@@ -108,30 +195,51 @@ for i in range(int(sys.argv[3])):
 """
 
 
-def test_writer_processes_and_a_restarted_reader_deliver_every_batch_exactly_once(tmp_path):
-    storage = storage_at(tmp_path, max_unread_batches=4)
+def test_writer_processes_a_killed_writer_and_a_restarted_reader_deliver_exactly_once(
+    tmp_path, backend
+):
+    """Three writer processes (one killed mid-run, started again under a new name) and a
+    reader stopped mid-way and started again from its saved position: every batch published is
+    read once, none twice, none damaged."""
+    import signal
+
+    storage = storage_at(tmp_path, backend, max_unread_batches=4)
     script = WRITER_SCRIPT.format(tests=os.path.dirname(__file__))
     handle = pickle.dumps(storage).hex()
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, handle, str(w), "12"]) for w in range(3)
-    ]
+
+    def start(who: str, n: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", script, handle, who, str(n)])
+
+    writers = [start("0", 10), start("1", 10), start("k", 1000)]
     reader = storage.reader()
-    first = read_all(reader, expect=10)  # ends mid-way: like a trainer's checkpoint
+    first: list[RolloutBatch] = []
+    while sum(1 for b in first if key(b)[0] == "k") < 3:  # the doomed writer got going
+        first += read_all(reader, expect=1, timeout=60)
+    writers[2].send_signal(signal.SIGKILL)  # wherever it is, mid-object maybe
+    writers[2].wait(timeout=30)
+    writers.append(start("k2", 5))  # its replacement, under a new name
     saved = json.loads(json.dumps(reader.position()))
-    # The trainer dies here; batches it read after `saved` are read again by the resumed one.
-    reader.read_batches(max_batches=3, timeout=1)
+    reader.read_batches(max_batches=3, timeout=1)  # read, then lost with the "trainer"
     resumed = storage.reader(saved)
-    rest = read_all(resumed, expect=36 - len(first))
-    for p in procs:
-        assert p.wait(timeout=60) == 0
-    rest += resumed.read_batches(max_batches=64, timeout=0.2)
+    rest: list[RolloutBatch] = []
+    deadline = time.monotonic() + 120
+    live = [writers[0], writers[1], writers[3]]
+    while any(w.poll() is None for w in live) and time.monotonic() < deadline:
+        rest += resumed.read_batches(max_batches=64, timeout=0.2)  # writers wait for reads
+    assert [w.wait(timeout=1) for w in live] == [0, 0, 0]
+    rest += read_all(resumed, expect=10**6, timeout=1)
     keys = [key(b) for b in first + rest]
-    assert len(keys) == 36 and len(set(keys)) == 36, sorted(keys)
-    assert resumed.read_batches(max_batches=10, timeout=0.1) == []
+    assert len(keys) == len(set(keys)), "a batch was delivered twice"
+    by_writer = {w: sorted(i for x, i in keys if x == w) for w in ("0", "1", "k", "k2")}
+    assert by_writer["0"] == by_writer["1"] == list(range(10))
+    assert by_writer["k2"] == list(range(5))
+    killed = by_writer["k"]  # every batch it published, in order, from the start
+    assert killed == list(range(len(killed))) and len(killed) >= 3
+    assert resumed.counters["corrupt_batches"] == 0
 
 
-def test_a_retried_write_after_a_lost_reply_is_stored_once(tmp_path, monkeypatch):
-    storage = storage_at(tmp_path)
+def test_a_retried_write_after_a_lost_reply_is_stored_once(tmp_path, monkeypatch, backend):
+    storage = storage_at(tmp_path, backend)
     writer, reader = storage.writer(name="w"), storage.reader()
     bucket = storage.bucket()
     put = bucket.put
@@ -182,8 +290,8 @@ def test_a_writer_waits_while_too_many_of_its_batches_are_unread(tmp_path):
 
 
 @pytest.mark.parametrize("retention", ["checkpointed", "keep"])
-def test_retention_deletes_only_what_a_checkpoint_holds(tmp_path, retention):
-    storage = storage_at(tmp_path, retention=retention)
+def test_retention_deletes_only_what_a_checkpoint_holds(tmp_path, retention, backend):
+    storage = storage_at(tmp_path, backend, retention=retention)
     writer, reader = storage.writer(name="w"), storage.reader()
     for i in range(4):
         writer.write_batch(make_batch("w", i), timeout=1)
@@ -191,8 +299,8 @@ def test_retention_deletes_only_what_a_checkpoint_holds(tmp_path, retention):
     checkpoint = reader.position()
     reader.read_batches(max_batches=1, timeout=1)  # read after the checkpoint: kept
     reader.checkpointed(checkpoint)
-    folder = os.path.join(storage.bucket().path, "writers", writer.name)
-    left = sorted(n for n in os.listdir(folder) if n.endswith(".arrow"))
+    bucket = storage.bucket()
+    left = sorted(os.path.basename(e["name"]) for e in bucket.files(f"writers/{writer.name}"))
     kept = range(4) if retention == "keep" else range(2, 4)
     assert left == [f"{i:012d}.arrow" for i in kept]
 
@@ -214,13 +322,22 @@ def test_a_storage_that_does_not_answer_is_named_after_bounded_retries(tmp_path,
     assert raised.value.exit_code == ExitCode.STORAGE
 
 
-def test_a_job_on_gcs_storage_resumes_reading_after_its_checkpoint(cli, tiny_mock_job, tmp_path):
-    """``marinrl run --storage gcs`` (batches under the run directory): the checkpoint keeps
-    how far the trainer read each writer; the resumed job reads on from there, the first job's
-    unread batches included, and deletes what its checkpoints hold."""
+@pytest.mark.parametrize("where", ["run_dir", "gs"])
+def test_a_job_on_gcs_storage_resumes_reading_after_its_checkpoint(
+    cli, tiny_mock_job, tmp_path, request, where
+):
+    """``marinrl run --storage gcs`` (batches under the run directory, or on a bucket of the
+    GCS emulator): the checkpoint keeps how far the trainer read each writer; the resumed job
+    reads on from there, the first job's unread batches included, and deletes what its
+    checkpoints hold."""
     from marin_rl_core.metrics import read_metrics
 
+    url = ""
+    if where == "gs":
+        request.getfixturevalue("servers")
+        url = new_bucket("gs")
     common = [*tiny_mock_job, "--storage", "gcs", "--set", f'run_dir="{tmp_path}"',
+              "--set", f'storage.url="{url}"',
               "--set", "trainer.checkpoint_interval_steps=3"]  # fmt: skip
     first = cli("run", *common, "--set", "trainer.num_train_steps=3", "--run-id", "r")
     assert first.exit_code == 0, first.output
@@ -234,6 +351,22 @@ def test_a_job_on_gcs_storage_resumes_reading_after_its_checkpoint(cli, tiny_moc
     final = json.loads((run / "checkpoints" / "step-000005" / "state.json").read_text())
     cursors = final["storage_position"]["writers"]
     assert cursors[old_writer] >= read_upto  # the first job's writer, read on from there
+    bucket = build_object_storage(
+        ObjectStorageConfig(url=url), RunInfo(run_id="r", run_dir=str(run))
+    ).bucket()
+    assert json.loads(bucket.get("cursor.json"))["writers"]  # the run's batches went there
     for writer, upto in cursors.items():  # what a checkpoint holds is deleted, the rest kept
-        left = sorted(p.name for p in (run / "rollouts" / "writers" / writer).glob("*.arrow"))
+        left = sorted(os.path.basename(e["name"]) for e in bucket.files(f"writers/{writer}"))
         assert all(int(name.split(".")[0]) >= upto for name in left), (writer, upto, left)
+
+
+def test_a_url_whose_filesystem_is_not_installed_is_a_config_error():
+    from marin_rl_core.config import resolve_config
+    from marin_rl_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'nosuch://bucket' cannot be opened.*\$\.storage"):
+        resolve_config(
+            build_registry(),
+            selections={"env": "mock", "storage": "gcs"},
+            overrides=['storage.url="nosuch://bucket"'],
+        )
