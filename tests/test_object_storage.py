@@ -370,3 +370,17 @@ def test_a_url_whose_filesystem_is_not_installed_is_a_config_error():
             selections={"env": "mock", "storage": "gcs"},
             overrides=['storage.url="nosuch://bucket"'],
         )
+
+
+def test_a_job_whose_bucket_does_not_answer_stops_with_exit_14_naming_it(
+    cli, tiny_mock_job, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    result = cli("run", *tiny_mock_job, "--storage", "gcs", "--set", f'run_dir="{tmp_path}"',
+                 "--set", 'storage.url="gs://no-such-bucket/r"', "--set",
+                 "storage.call_timeout_s=2", "--set", "storage.retries=1",
+                 "--run-id", "dead")  # fmt: skip
+    assert result.exit_code == ExitCode.STORAGE, result.output
+    assert "rollout storage gs://no-such-bucket/r/dead did not answer" in result.output
+    assert "credentials" in result.output
