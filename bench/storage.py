@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -64,28 +62,6 @@ def raw_bytes(batch) -> int:
     return total
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def serve(argv: list[str], port: int) -> subprocess.Popen | None:
-    try:
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        return None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    return None
-
-
 def measure(storage, batch, n: int) -> tuple[float, float]:
     """Seconds to write ``n`` batches, then to read them all."""
     writer = storage.writer(name="rollout-0")
@@ -112,6 +88,7 @@ def main() -> None:
 
     from marin_rl_core import RunInfo
     from marin_rl_core.rollout_serialization import serialize_rollout_batch
+    from marin_rl_core.testing import free_port, serve_on_loopback
 
     batch = make_batch(args.rollouts, args.tokens)
     wire = len(serialize_rollout_batch(batch))
@@ -143,7 +120,7 @@ def main() -> None:
         ("s3", [os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
          s3_port),
     ):  # fmt: skip
-        proc = serve(argv, port)
+        proc = serve_on_loopback(argv, port)
         if proc is None:
             print(f"({scheme}: its loopback server is not installed; pip install 'marin-rl[test]')")
             continue

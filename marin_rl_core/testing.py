@@ -350,6 +350,41 @@ def check_curriculum(record: CurriculumPlugin) -> None:
     assert fresh.lesson_states() == policy.lesson_states()
 
 
+# --- servers on loopback ----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_on_loopback(argv: list[str], port: int, *, timeout_s: float = 60.0) -> Any:
+    """Start the server ``argv`` (a storage emulator, say) and return its ``Popen`` once it
+    accepts connections on ``127.0.0.1:port``; ``None`` when it is not installed, exits, or does
+    not listen within ``timeout_s`` (the process is killed then)."""
+    import socket
+    import subprocess
+    import time
+
+    try:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return proc
+        except OSError:
+            time.sleep(0.2)
+    proc.kill()
+    return None
+
+
 # --- tiny Hugging Face checkpoints ------------------------------------------------------------------
 
 CHAT_TEMPLATES = {

@@ -185,28 +185,25 @@ class _Bucket:
     def exists(self, rel: str) -> bool:
         return bool(self.call(f"looking for {rel}", self.fs.exists, f"{self.path}/{rel}"))
 
-    def folders(self, rel: str) -> list[str]:
-        """The names of the folders (prefixes) in ``rel``."""
+    def _entries(self, rel: str) -> list[dict[str, Any]]:
         try:
-            entries = self.call(f"listing {rel}", self.fs.ls, f"{self.path}/{rel}", detail=True)
+            return self.call(f"listing {rel}", self.fs.ls, f"{self.path}/{rel}", detail=True)
         except FileNotFoundError:
             return []
+
+    def folders(self, rel: str) -> list[str]:
+        """The names of the folders (prefixes) in ``rel``."""
         return sorted(
-            os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "directory"
+            os.path.basename(e["name"].rstrip("/"))
+            for e in self._entries(rel)
+            if e.get("type") == "directory"
         )
 
     def files(self, rel: str) -> list[dict[str, Any]]:
-        try:
-            entries = self.call(f"listing {rel}", self.fs.ls, f"{self.path}/{rel}", detail=True)
-        except FileNotFoundError:
-            return []
-        return [e for e in entries if e.get("type") == "file"]
+        return [e for e in self._entries(rel) if e.get("type") == "file"]
 
     def delete(self, rels: list[str]) -> None:
-        if not rels:
-            return
-        paths = [f"{self.path}/{r}" for r in rels]
-        for path in paths:  # one call each: a missing one must not stop the rest
+        for path in (f"{self.path}/{r}" for r in rels):  # one call each: a missing one is fine
             try:
                 self.call(f"deleting {path}", self.fs.rm_file, path)
             except FileNotFoundError:

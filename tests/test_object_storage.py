@@ -20,34 +20,9 @@ from marin_rl_plugins.object_storage import (
 
 from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RunInfo, build_registry
 from marin_rl_core.errors import ExitCode
+from marin_rl_core.testing import free_port, serve_on_loopback
 
 # --- the backends: a local path, and real servers on loopback -----------------------------------
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve(argv: list[str], port: int, env: dict[str, str]) -> subprocess.Popen:
-    """Start a server and wait (bounded) until it accepts connections."""
-    import socket
-
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"{argv[0]} exited with {proc.returncode}")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    pytest.fail(f"{argv[0]} did not listen on port {port} within 60 s")
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +32,7 @@ def servers():
     pytest.importorskip("gcsfs")
     pytest.importorskip("s3fs")
     bin_dir = os.path.dirname(sys.executable)
-    gcs_port, s3_port = _free_port(), _free_port()
+    gcs_port, s3_port = free_port(), free_port()
     env = {
         "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs_port}",
         # Newer gcsfs probes the bucket for hierarchical namespaces; the emulator stalls it 60 s.
@@ -69,12 +44,16 @@ def servers():
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    procs = [
-        _serve([os.path.join(bin_dir, "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
-                "--port", str(gcs_port), "--in-memory"], gcs_port, dict(os.environ)),
-        _serve([os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
-               s3_port, dict(os.environ)),
-    ]  # fmt: skip
+    procs = []
+    for argv, port in (
+        ([os.path.join(bin_dir, "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
+          "--port", str(gcs_port), "--in-memory"], gcs_port),
+        ([os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], s3_port),
+    ):  # fmt: skip
+        proc = serve_on_loopback(argv, port)
+        if proc is None:
+            pytest.fail(f"{argv[0]} did not start listening on port {port}")
+        procs.append(proc)
     try:
         yield
     finally:
