@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from marin_rl_core.rundir import growing_file, local_copy, run_path, upload_now
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -41,14 +43,14 @@ class MetricsHub:
     """Collects metric rows from every worker of a run (see the module docstring).
 
     Args:
-        run_dir: the run directory; rows go to ``run_dir/metrics.jsonl``.
+        run_dir: the run directory; rows go to ``run_dir/metrics.jsonl`` (appended to in the
+            local copy of a run on a bucket and uploaded: :mod:`marin_rl_core.rundir`).
         trackers: extra trackers, ``"wandb"`` and/or ``"tensorboard"`` (``"jsonl"`` is always on).
         run_id: the run's name for external trackers.
     """
 
     def __init__(self, run_dir: str, trackers: Iterable[str] = (), run_id: str = ""):
-        self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = growing_file(run_dir, METRICS_FILE)
         self._file = self.path.open("a", buffering=1)
         self._latest: dict[str, Any] = {}
         self._tracker_step = 0
@@ -100,8 +102,14 @@ class MetricsHub:
         once a row could not be written to ``metrics.jsonl``)."""
         return dict(self._latest)
 
+    def upload(self) -> None:
+        """Upload ``metrics.jsonl`` now when the run directory is on a bucket (the trainer asks
+        after each checkpoint, so a resume elsewhere finds the rows up to it)."""
+        upload_now()
+
     def close(self) -> None:
         self._file.close()
+        upload_now()
         for tracker in self._external:
             tracker.finish()
 
@@ -112,7 +120,8 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
 
         from levanter.tracker.wandb import WandbConfig
 
-        os.environ.setdefault("WANDB_DIR", str(run_dir))  # wandb's local files stay with the run
+        # wandb's local files stay with the run (its local copy, for a run on a bucket)
+        os.environ.setdefault("WANDB_DIR", str(local_copy(run_dir)))
         return WandbConfig(
             project=os.environ.get("WANDB_PROJECT", "marinrl"),
             entity=os.environ.get("WANDB_ENTITY") or None,
@@ -122,7 +131,8 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
     if name == "tensorboard":
         from levanter.tracker.tensorboard import TensorboardConfig
 
-        return TensorboardConfig(logdir=str(Path(run_dir) / "tensorboard")).init(run_id or None)
+        logdir = local_copy(run_dir) / "tensorboard"
+        return TensorboardConfig(logdir=str(logdir)).init(run_id or None)
     raise ValueError(f"unknown tracker {name!r}")
 
 
@@ -161,7 +171,7 @@ def read_metrics_counted(run_dir: str | Path) -> tuple[list[dict[str, Any]], int
     :meth:`MetricsHub.log` writes them); anything else (a partly written last line, bytes a
     crash or a disk error spoiled, ``null``, a list, a row without a step) is damaged and spoils
     only its own line."""
-    path = Path(run_dir) / METRICS_FILE
+    path = run_path(run_dir) / METRICS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a marinrl run directory?")
     rows, damaged = [], 0

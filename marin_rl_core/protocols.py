@@ -224,6 +224,12 @@ class RolloutReader(Protocol):
         may forget those batches (retention). Never raises for a storage problem (log it)."""
         ...
 
+    def trouble(self) -> str:
+        """What is wrong with the storage now, in one line naming it (a call unanswered for a
+        while, a recent failure that was retried); ``""`` when nothing is. Called from another
+        thread while :meth:`read_batches` waits: the watchdog names it when no step completes."""
+        ...
+
 
 @runtime_checkable
 class RolloutStorage(Protocol):

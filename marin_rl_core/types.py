@@ -408,8 +408,8 @@ class RunInfo:
     Args:
         run_id: the run's id (the last part of its run directory): names the run's rollouts
             where several runs share a bucket.
-        run_dir: the run directory, as given (a local path; where a storage keeps rollouts by
-            default).
+        run_dir: the run directory: an absolute local path or a bucket URL (``gs://...``;
+            :mod:`marin_rl_core.rundir`); where a storage keeps rollouts by default.
     """
 
     run_id: str

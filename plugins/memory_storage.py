@@ -29,6 +29,7 @@ import asyncio
 import collections
 import itertools
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -197,12 +198,21 @@ class MemoryRolloutReader:
         self._queue_name = queue_name
         self.after = after
         """The number of the last batch this reader has received (0: none yet)."""
+        self._asked: tuple[float, float] | None = None  # (since, timeout) of a read in flight
 
     def position(self) -> dict[str, Any]:
         return {"queue": self._queue_name, "after": self.after}
 
     def checkpointed(self, position: Any) -> None:
         """Nothing to forget: the queue drops each batch once the next read acknowledges it."""
+
+    def trouble(self) -> str:
+        asked = self._asked
+        if asked is not None:
+            late = time.monotonic() - asked[0] - asked[1]
+            if late > 10.0:
+                return f"rollout queue actor {self._queue_name!r}: no answer for {late:.0f} s"
+        return ""
 
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         import ray
@@ -211,7 +221,11 @@ class MemoryRolloutReader:
 
         if max_batches < 1:
             return []
-        items = ray.get(self._queue.take.remote(self.after, max_batches, max(0.0, timeout)))
+        self._asked = (time.monotonic(), max(0.0, timeout))
+        try:
+            items = ray.get(self._queue.take.remote(self.after, max_batches, max(0.0, timeout)))
+        finally:
+            self._asked = None
         batches = [deserialize_rollout_batch(data) for _, data in items]
         if items:  # only now received: the next read acknowledges them
             self.after = items[-1][0]

@@ -49,10 +49,15 @@ import attrs
 
 from marin_rl_core import MarinRLError, RolloutBatch, RunInfo, StoragePlugin, hookimpl, one_of
 from marin_rl_core.errors import ExitCode
+from marin_rl_core.rundir import absolute
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 CURSOR_FILE = "cursor.json"
+SLOW_CALL_S = 10.0
+"""A storage call unanswered for longer than this is named by ``trouble()`` (the watchdog)."""
+TROUBLE_MEMORY_S = 120.0
+"""How long ``trouble()`` keeps naming a call that failed (and was retried)."""
 
 
 class StorageUnavailableError(MarinRLError):
@@ -128,15 +133,37 @@ class _Bucket:
         )
         self.local = "file" in _protocols(self.fs)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="marinrl-bucket")
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, tuple[str, float, int]] = {}  # what, since, attempt
+        self._last_problem: tuple[float, str] = (-float("inf"), "")
+
+    def trouble(self) -> str:
+        """A call in flight for longer than :data:`SLOW_CALL_S`, or one that failed in the last
+        :data:`TROUBLE_MEMORY_S` seconds, in a line naming the bucket; ``""`` when neither."""
+        now = time.monotonic()
+        with self._lock:
+            slow = [(since, what, attempt) for what, since, attempt in self._in_flight.values()
+                    if now - since > SLOW_CALL_S]  # fmt: skip
+            when, problem = self._last_problem
+        if slow:
+            since, what, attempt = min(slow)
+            tries = f" (attempt {attempt} of {self.config.retries + 1})" if attempt > 1 else ""
+            return f"{what} on {self.root}: no answer for {now - since:.0f} s{tries}"
+        if now - when < TROUBLE_MEMORY_S:
+            return f"{problem} ({now - when:.0f} s ago)"
+        return ""
 
     def call(self, what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args)``; ``FileNotFoundError`` passes straight through (an answer, not a
         failure); anything else, or no answer in time, is retried, then raised as
-        :class:`StorageUnavailableError`."""
+        :class:`StorageUnavailableError`. A slow or failing call shows in :meth:`trouble`."""
         c = self.config
         backoff, problem = 0.5, ""
         for attempt in range(c.retries + 1):
             future = self._pool.submit(fn, *args, **kwargs)
+            token = id(future)
+            with self._lock:
+                self._in_flight[token] = (what, time.monotonic(), attempt + 1)
             try:
                 return future.result(timeout=c.call_timeout_s)
             except FileNotFoundError:
@@ -145,6 +172,14 @@ class _Bucket:
                 problem = f"no answer in {c.call_timeout_s:g} s"
             except Exception as exc:  # noqa: BLE001 - a storage error: retried, then reported
                 problem = f"{type(exc).__name__}: {exc}"
+            finally:
+                with self._lock:
+                    self._in_flight.pop(token, None)
+            with self._lock:
+                self._last_problem = (
+                    time.monotonic(),
+                    f"{what} on {self.root} failed: {problem[:200]} (attempt {attempt + 1})",
+                )
             logger.warning(
                 "%s on %s failed (%s); attempt %d", what, self.root, problem, attempt + 1
             )
@@ -296,6 +331,9 @@ class ObjectRolloutReader:
 
     def position(self) -> dict[str, Any]:
         return {"root": self._bucket.root, "writers": dict(self._cursors)}
+
+    def trouble(self) -> str:
+        return self._bucket.trouble()
 
     def _discover(self, now: float) -> None:
         if now - self._listed_at < self._bucket.config.list_interval_s:
@@ -462,7 +500,8 @@ def build_object_storage(config: ObjectStorageConfig, run: RunInfo) -> ObjectRol
     if config.url:
         root = f"{config.url.rstrip('/')}/{run.run_id}"
     else:
-        root = os.path.join(os.path.abspath(run.run_dir), "rollouts")
+        # Beside the run: on its bucket for a run directory on one (gs://...), else on disk.
+        root = str(absolute(run.run_dir) / "rollouts")
     return ObjectRolloutStorage(config, root)
 
 

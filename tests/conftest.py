@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -100,3 +100,64 @@ def tiny_mock_job() -> list[str]:
         "--set",
         "eval.frequency=100",
     ]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[Callable[[str], str]]:
+    """gcp-storage-emulator (for gs://) and moto (for s3://) on loopback, with the environment
+    gcsfs, s3fs and TensorStore (levanter's checkpoints) read set in this process (writer
+    subprocesses and Ray workers inherit it). Yields ``new_bucket(scheme)``: the URL of a fresh
+    bucket (``gs://marinrl-1a2b...``) on the server of ``scheme``."""
+    import os
+    import uuid
+
+    from marin_rl_core.testing import free_port, serve_on_loopback
+
+    pytest.importorskip("gcsfs")
+    pytest.importorskip("s3fs")
+    bin_dir = os.path.dirname(sys.executable)
+    gcs_port, s3_port = free_port(), free_port()
+    env = {
+        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs_port}",
+        # Newer gcsfs probes the bucket for hierarchical namespaces; the emulator stalls it 60 s.
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+        # TensorStore's gcs driver (checkpoints on gs://): the emulator, and a dummy token.
+        "TENSORSTORE_GCS_HTTP_URL": f"http://127.0.0.1:{gcs_port}",
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "eu-west-1",  # moto rejects LocationConstraint us-east-1
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    procs = []
+    for argv, port in (
+        ([os.path.join(bin_dir, "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
+          "--port", str(gcs_port), "--in-memory"], gcs_port),
+        ([os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], s3_port),
+    ):  # fmt: skip
+        proc = serve_on_loopback(argv, port)
+        if proc is None:
+            pytest.fail(f"{argv[0]} did not start listening on port {port}")
+        procs.append(proc)
+
+    def new_bucket(scheme: str) -> str:
+        import fsspec
+
+        name = f"marinrl-{uuid.uuid4().hex[:10]}"
+        fs, _ = fsspec.core.url_to_fs(f"{scheme}://{name}", skip_instance_cache=True)
+        fs.mkdir(name, **({"region_name": "eu-west-1"} if scheme == "s3" else {}))
+        return f"{scheme}://{name}"
+
+    try:
+        yield new_bucket
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

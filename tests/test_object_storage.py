@@ -20,63 +20,8 @@ from marin_rl_plugins.object_storage import (
 
 from marin_rl_core import Rollout, RolloutBatch, RolloutGroup, RunInfo, build_registry
 from marin_rl_core.errors import ExitCode
-from marin_rl_core.testing import free_port, serve_on_loopback
 
-# --- the backends: a local path, and real servers on loopback -----------------------------------
-
-
-@pytest.fixture(scope="module")
-def servers():
-    """gcp-storage-emulator (for gs://) and moto (for s3://), with the environment gcsfs and
-    s3fs read set in this process (writer subprocesses and Ray workers inherit it)."""
-    pytest.importorskip("gcsfs")
-    pytest.importorskip("s3fs")
-    bin_dir = os.path.dirname(sys.executable)
-    gcs_port, s3_port = free_port(), free_port()
-    env = {
-        "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{gcs_port}",
-        # Newer gcsfs probes the bucket for hierarchical namespaces; the emulator stalls it 60 s.
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{s3_port}",
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "eu-west-1",  # moto rejects LocationConstraint us-east-1
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = []
-    for argv, port in (
-        ([os.path.join(bin_dir, "gcp-storage-emulator"), "start", "--host", "127.0.0.1",
-          "--port", str(gcs_port), "--in-memory"], gcs_port),
-        ([os.path.join(bin_dir, "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], s3_port),
-    ):  # fmt: skip
-        proc = serve_on_loopback(argv, port)
-        if proc is None:
-            pytest.fail(f"{argv[0]} did not start listening on port {port}")
-        procs.append(proc)
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait(timeout=10)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def new_bucket(scheme: str) -> str:
-    """A fresh bucket on the loopback server of ``scheme``: its URL."""
-    import uuid
-
-    import fsspec
-
-    name = f"marinrl-{uuid.uuid4().hex[:10]}"
-    fs, _ = fsspec.core.url_to_fs(f"{scheme}://{name}", skip_instance_cache=True)
-    fs.mkdir(name, **({"region_name": "eu-west-1"} if scheme == "s3" else {}))
-    return f"{scheme}://{name}/rollouts"
+# --- the backends: a local path, and real servers on loopback (conftest.py's `servers`) -------
 
 
 @pytest.fixture(params=["path", "gs", "s3"])
@@ -84,8 +29,7 @@ def backend(request, tmp_path):
     """The ``url`` of a storage: empty (the run directory), or a bucket on a loopback server."""
     if request.param == "path":
         return ""
-    request.getfixturevalue("servers")
-    return new_bucket(request.param)
+    return request.getfixturevalue("servers")(request.param) + "/rollouts"
 
 
 def make_batch(writer: str, index: int) -> RolloutBatch:
@@ -313,8 +257,7 @@ def test_a_job_on_gcs_storage_resumes_reading_after_its_checkpoint(
 
     url = ""
     if where == "gs":
-        request.getfixturevalue("servers")
-        url = new_bucket("gs")
+        url = request.getfixturevalue("servers")("gs") + "/rollouts"
     common = [*tiny_mock_job, "--storage", "gcs", "--set", f'run_dir="{tmp_path}"',
               "--set", f'storage.url="{url}"',
               "--set", "trainer.checkpoint_interval_steps=3"]  # fmt: skip
@@ -363,3 +306,27 @@ def test_a_job_whose_bucket_does_not_answer_stops_with_exit_14_naming_it(
     assert result.exit_code == ExitCode.STORAGE, result.output
     assert "rollout storage gs://no-such-bucket/r/dead did not answer" in result.output
     assert "credentials" in result.output
+
+
+def test_a_bucket_that_stops_answering_is_named_by_the_watchdog(
+    cli, tiny_mock_job, tmp_path, monkeypatch
+):
+    """A bucket that takes connections and never answers (slow, not refused: each call waits
+    out ``call_timeout_s``): the watchdog's message names it and the call it is waiting on."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)  # connections are made, requests never answered
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    try:
+        result = cli("run", *tiny_mock_job, "--storage", "gcs", "--set", f'run_dir="{tmp_path}"',
+                     "--set", 'storage.url="gs://silent/r"', "--set", "storage.call_timeout_s=300",
+                     "--set", "faults.stall_timeout_s=40", "--set", "faults.stop_timeout_s=5",
+                     "--run-id", "slow")  # fmt: skip
+    finally:
+        silent.close()
+    assert result.exit_code == ExitCode.STALLED, result.output
+    assert "rollout storage is slow or does not answer" in result.output
+    assert "on gs://silent/r/slow: no answer for" in result.output

@@ -179,10 +179,11 @@ def run(
     ] = None,
     run_id: Annotated[str | None, typer.Option(help="Name of the run directory.")] = None,
     resume: Annotated[
-        Path | None,
+        str | None,
         typer.Option(
-            help="Go on with the run in this directory from its newest checkpoint, with its "
-            "saved config (--set may change it, for example trainer.num_train_steps).",
+            help="Go on with the run in this directory (a path or a bucket URL, gs://...) from "
+            "its newest checkpoint, with its saved config (--set may change it, for example "
+            "trainer.num_train_steps).",
             rich_help_panel=CONFIG_PANEL,
         ),
     ] = None,
@@ -339,7 +340,7 @@ def config_validate(
 
 
 def _resume_config(
-    run_dir: Path, *, config: list[Path] | None, run_id: str | None, model: str | None
+    run_dir: str, *, config: list[Path] | None, run_id: str | None, model: str | None
 ) -> Path:
     """``RUN_DIR/config.toml`` for ``--resume RUN_DIR``, after checking that it is a run."""
     from marin_rl_core.errors import ConfigError
@@ -354,9 +355,11 @@ def _resume_config(
     return run_config_file(run_dir, what="--resume")
 
 
-def _resume_overrides(run_dir: Path) -> list[str]:
+def _resume_overrides(run_dir: str) -> list[str]:
     """The run goes on in ``run_dir`` itself, wherever it was moved and whatever the cwd."""
-    run_dir = run_dir.expanduser().absolute()
+    from marin_rl_core.rundir import absolute
+
+    run_dir = absolute(run_dir)
     return [f"run_dir={json.dumps(str(run_dir.parent))}", f"run_id={json.dumps(run_dir.name)}"]
 
 
@@ -384,20 +387,24 @@ def _train(cfg: Any, registry: Any) -> None:
 
 
 @contextlib.contextmanager
-def _log_to_run(path: Path, name: str) -> Iterator[None]:
+def _log_to_run(path: str, name: str) -> Iterator[None]:
     """Log records (tracebacks of a damaged checkpoint skipped, levanter's own) go to
     ``RUN_DIR/logs/NAME`` while the block runs, not to the console, which shows only the
-    command's own warnings. ``path`` is a run directory or one of its checkpoints."""
+    command's own warnings. ``path`` is a run directory or one of its checkpoints (a run on a
+    bucket logs to its local copy)."""
     import logging
 
     from marin_rl_core.job.actors import attach_log_file
+    from marin_rl_core.rundir import local_copy, run_path
 
-    run_dir = path if (path / "config.toml").is_file() else path.parent.parent
+    where = run_path(path)
+    run_dir = where if (where / "config.toml").is_file() else where.parent.parent
     root = logging.getLogger()
     level = root.level
     try:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        handler = attach_log_file(run_dir / "logs" / name)
+        logs = local_copy(run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        handler = attach_log_file(logs / name)
     except OSError:  # a read-only run: nowhere to keep them, and not on the console either
         handler = logging.NullHandler()
         root.addHandler(handler)
@@ -412,8 +419,11 @@ def _log_to_run(path: Path, name: str) -> Iterator[None]:
 @app.command("eval")
 def eval_command(
     checkpoint: Annotated[
-        Path,
-        typer.Argument(help="A run directory (its latest checkpoint) or a checkpoint directory."),
+        str,
+        typer.Argument(
+            help="A run directory (its latest checkpoint) or a checkpoint directory; a path or "
+            "a bucket URL."
+        ),
     ],
     n_examples: Annotated[
         int | None,
@@ -463,7 +473,7 @@ def eval_command(
 
 @app.command()
 def export(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory.")],
+    run_dir: Annotated[str, typer.Argument(help="The run directory (a path or a bucket URL).")],
     out_dir: Annotated[Path, typer.Argument(help="Where to write the Hugging Face checkpoint.")],
     step: Annotated[
         int | None, typer.Option(help="Export this step's checkpoint (default: the newest).")
@@ -489,7 +499,7 @@ def export(
 
 @app.command()
 def report(
-    run_dir: Annotated[Path, typer.Argument(help="The run directory.")],
+    run_dir: Annotated[str, typer.Argument(help="The run directory (a path or a bucket URL).")],
 ) -> None:
     """Print a run's summary table and redraw its reward curve (RUN_DIR/reward_curve.png)."""
 
@@ -505,7 +515,7 @@ def report(
             raise ConfigError(str(exc)) from None
         if not summary["rows"]:
             raise ConfigError(
-                f"{run_dir / 'metrics.jsonl'} has no readable rows: the run has logged nothing "
+                f"{run_dir}/metrics.jsonl has no readable rows: the run has logged nothing "
                 "yet, or the file is damaged"
             )
         Console().print(render_summary(summary))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from marin_rl_core.metrics import read_metrics, read_metrics_counted
+from marin_rl_core.rundir import is_remote, local_copy, put, run_path
 
 PLOT_FILE = "reward_curve.png"
 SMOOTHING_STEPS = 50
@@ -49,14 +50,17 @@ def eval_lessons(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Draw train reward and each lesson's eval reward against trainer step into a PNG."""
+    """Draw train reward and each lesson's eval reward against trainer step into a PNG
+    (``RUN_DIR/reward_curve.png`` by default; for a run on a bucket, drawn in its local copy and
+    uploaded). Returns where it is."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    out = Path(out) if out else Path(run_dir) / PLOT_FILE
+    out = Path(out) if out else local_copy(run_dir) / PLOT_FILE
+    out.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
     steps, values = _series(rows, "train", "reward")
     if steps:
@@ -78,13 +82,15 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
     ax.set_ylabel("reward")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
-    ax.set_title(f"{Path(run_dir).name}: reward")
+    ax.set_title(f"{run_path(run_dir).name}: reward")
     # Outside the axes: inside, it always covers some curve.
     if ax.get_legend_handles_labels()[0]:  # nothing logged yet: no legend to draw
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
+    if is_remote(run_dir) and out == local_copy(run_dir) / PLOT_FILE:
+        return put(out, run_dir, PLOT_FILE)
     return out
 
 

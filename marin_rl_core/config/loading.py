@@ -29,8 +29,10 @@ logger = logging.getLogger(__name__)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Parse a ``.toml``, ``.yaml`` or ``.yml`` file into plain data."""
-    path = Path(path)
+    """Parse a ``.toml``, ``.yaml`` or ``.yml`` file (a path or an fsspec URL) into plain data."""
+    from marin_rl_core.rundir import run_path
+
+    path = run_path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist.")
     try:

@@ -487,7 +487,8 @@ class RLJobConfig:
 
     Args:
         run_id: names the run directory; empty picks ``rl-<timestamp>`` at launch.
-        run_dir: parent directory of run directories.
+        run_dir: parent directory of run directories: a path, or a bucket URL
+            (``gs://bucket/runs``; see :mod:`marin_rl_core.rundir`).
         seed: seeds model init, problem sampling and generation.
         num_rollout_workers: rollout worker actors.
         ray_address: a running Ray cluster to use; empty starts a local one.

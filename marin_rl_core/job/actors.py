@@ -18,6 +18,7 @@ from marin_rl_core.errors import (
     MarinRLError,
 )
 from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
+from marin_rl_core.rundir import growing_file, upload_now
 
 logger = logging.getLogger(__name__)
 _UNSET: Any = object()
@@ -80,10 +81,9 @@ def attach_log_file(path: Path) -> logging.Handler:
 
 
 def _worker_logging(run_dir: str, name: str) -> None:
-    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar)."""
-    path = Path(run_dir) / "logs"
-    path.mkdir(parents=True, exist_ok=True)
-    attach_log_file(path / f"{name}.log")
+    """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar;
+    a run on a bucket logs to its local copy and uploads the log: :mod:`marin_rl_core.rundir`)."""
+    attach_log_file(growing_file(run_dir, f"logs/{name}.log"))
     for chatty in ("levanter", "jax", "datasets", "absl"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
@@ -228,6 +228,9 @@ class TrainerService(_SetUpError):
                 hub.log.remote(metrics, step=step, source=source), timeout=LOG_TIMEOUT_S
             ),
             curriculum_state=proxy.state_dict,
+            # metrics.jsonl on a bucket as far as the checkpoint (not awaited: an upload never
+            # holds training up).
+            on_checkpoint=lambda step: hub.upload.remote(),
         )
 
     def ready(self) -> dict[str, Any]:
@@ -270,6 +273,7 @@ class TrainerService(_SetUpError):
     def close(self) -> None:
         if self._setup_error is None:
             self.server.close()
+        upload_now()  # a run directory on a bucket: the log as far as here
 
 
 class RolloutService(_SetUpError):
@@ -346,6 +350,7 @@ class RolloutService(_SetUpError):
     def stop(self) -> None:
         if self._setup_error is None:
             self.worker.request_stop()
+        upload_now()  # a run directory on a bucket: the log as far as here
 
     def final_eval(self, step: int, address: str, timeout: float) -> dict[str, float]:
         """Evaluate the weights of ``step``, pulled from the trainer's server at ``address``

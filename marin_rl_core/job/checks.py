@@ -179,6 +179,16 @@ def run_dir_error(exc: OSError, run_dir: Path, *, resumable: bool) -> RunDirErro
     return RunDirError(f"cannot write {what}: {exc.strerror or exc}; {fix}{resume}")
 
 
+def bucket_error(exc: BaseException, run_dir: Any) -> RunDirError:
+    """A :class:`RunDirError` for a run directory on a bucket that cannot be written (no such
+    bucket, no credentials, no answer), with the fix."""
+    return RunDirError(
+        f"cannot write the run directory {run_dir}: {type(exc).__name__}: {first_line(exc)}. "
+        "Check that the bucket exists and that this machine's credentials may write to it "
+        "(for gs://, `gcloud auth application-default login`), or choose a local run_dir."
+    )
+
+
 def probe_ray_address(address: str, *, timeout: float = 5.0) -> None:
     """Raise :class:`ClusterError` unless something accepts connections at ``address``
     (``HOST:PORT``, ``ray://HOST:PORT``; ``auto`` is left to Ray). A wrong address would

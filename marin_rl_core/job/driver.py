@@ -55,6 +55,7 @@ from marin_rl_core.job.actors import (
 )
 from marin_rl_core.job.checks import (
     RUN_DIR_ERRNOS,
+    bucket_error,
     check_model,
     check_resources,
     first_line,
@@ -65,6 +66,14 @@ from marin_rl_core.job.checks import (
 from marin_rl_core.job.local_ray import handle_sigterm, lean_loopback_head, no_token_auth_notice
 from marin_rl_core.job.watch import Watch
 from marin_rl_core.registry import Registry
+from marin_rl_core.rundir import (
+    absolute,
+    growing_file,
+    is_remote,
+    local_copy,
+    upload_now,
+    write_text,
+)
 
 logger = logging.getLogger(__name__)
 _UNSET: Any = object()
@@ -111,8 +120,10 @@ class RLJob:
         self.config = config
         self.registry = registry
         self.run_id = config.run_id or time.strftime("rl-%Y%m%d-%H%M%S")
-        # Absolute, so the saved config and the printed resume command work from anywhere.
-        self.run_dir = Path(config.run_dir).expanduser().absolute() / self.run_id
+        # Absolute, so the saved config and the printed resume command work from anywhere. A
+        # run on a bucket (gs://...) appends its logs and metrics in a local copy, uploaded.
+        self.run_dir = absolute(config.run_dir) / self.run_id
+        self.local_dir = local_copy(self.run_dir)
         self._auth_mode: Any = _UNSET
         self._log_handler: logging.Handler | None = None
         self.validate()
@@ -247,19 +258,22 @@ class RLJob:
                 self._save_config(config)
             # A resume's config replaces the saved one only once the trainer has restored a
             # checkpoint with it (_run_actors): a resume that fails leaves the run resumable.
-            self._log_handler = attach_log_file(self.driver_log)
-        except OSError as exc:
-            raise run_dir_error(exc, self.run_dir, resumable=False) from None
+            self._log_handler = attach_log_file(growing_file(self.run_dir, "driver.log"))
+        except Exception as exc:
+            if is_remote(self.run_dir):  # each bucket's client raises errors of its own
+                raise bucket_error(exc, self.run_dir) from None
+            if isinstance(exc, OSError):
+                raise run_dir_error(exc, self.run_dir, resumable=False) from None
+            raise
 
     def _save_config(self, config: RLJobConfig) -> None:
         """Write ``config.toml`` whole or not at all (a crash mid-write keeps the old one)."""
-        tmp = self.run_dir / "config.toml.tmp"
-        tmp.write_text(dump_config(config, self.registry))
-        tmp.replace(self.run_dir / "config.toml")
+        write_text(self.run_dir / "config.toml", dump_config(config, self.registry))
 
     @property
     def driver_log(self) -> Path:
-        return self.run_dir / "driver.log"
+        """Where this process logs (the local copy of a run on a bucket)."""
+        return self.local_dir / "driver.log"
 
     def resume_command(self) -> str:
         return f"marinrl run --resume {self.run_dir}"
@@ -310,6 +324,7 @@ class RLJob:
                 logging.getLogger().removeHandler(self._log_handler)
                 self._log_handler.close()
                 self._log_handler = None
+            upload_now()  # a run directory on a bucket: driver.log as far as here
             if started_ray:
                 self._stop_ray()
 
@@ -330,7 +345,7 @@ class RLJob:
             )
         return MarinRLError(
             f"the job failed: {type(cause).__name__}: {first_line(cause)}. The traceback is in "
-            f"{self.driver_log} and the workers' logs in {self.run_dir / 'logs'}; the last "
+            f"{self.driver_log} and the workers' logs in {self.local_dir / 'logs'}; the last "
             f"checkpoint is kept (resume with `{self.resume_command()}`)."
         )
 
@@ -390,7 +405,7 @@ class RLJob:
             except ray.exceptions.RayActorError as exc:
                 raise WorkerLostError(
                     f"the trainer process died while setting up ({first_line(exc)}); see "
-                    f"{self.run_dir / 'logs' / 'trainer.log'}"
+                    f"{self.local_dir / 'logs' / 'trainer.log'}"
                 ) from exc
             for warning in info["warnings"]:
                 logger.warning("%s", warning)

@@ -13,6 +13,7 @@ from marin_rl_core.config.loading import resolve_config
 from marin_rl_core.learner.checkpoint import STATE_FILE, resolve_checkpoint, run_config_file
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.worker import EVAL_SEED_OFFSET
+from marin_rl_core.rundir import run_path
 
 
 def evaluate_checkpoint(
@@ -36,7 +37,7 @@ def evaluate_checkpoint(
     from marin_rl_core.models.tokenizer import model_tokenizer
     from marin_rl_core.rollout.manager import RolloutManager
 
-    path = Path(path)
+    path = run_path(path)
     if (path / "model.eqx").exists() or (path / STATE_FILE).exists():
         run_dir, candidates = path.parent.parent, [resolve_checkpoint(path)]
     else:

@@ -136,7 +136,7 @@ class Watch:
             raise WorkerLostError(
                 f"the trainer process died at step {self.step} ({first_line(exc)}). Its last "
                 f"checkpoint is kept; resume with `{self.job.resume_command()}`. Its log: "
-                f"{self.job.run_dir / 'logs' / 'trainer.log'}"
+                f"{self.job.local_dir / 'logs' / 'trainer.log'}"
             ) from None
 
     def _rollout_ended(self, i: int) -> None:
@@ -157,7 +157,7 @@ class Watch:
             if ray.wait([self.train_run], timeout=10)[0]:
                 self._trainer_result()
             raise
-        log = self.job.run_dir / "logs" / f"rollout-{i}.log"
+        log = self.job.local_dir / "logs" / f"rollout-{i}.log"
         raise MarinRLError(
             f"rollout worker {i} stopped before training finished; see {log}"
         )  # a normal return before stop(): should not happen
@@ -176,7 +176,7 @@ class Watch:
             if ref not in ready:
                 continue
             del self.pid_refs[i]
-            log = self.job.run_dir / "logs" / f"rollout-{i}.log"
+            log = self.job.local_dir / "logs" / f"rollout-{i}.log"
             try:
                 pid = int(ray.get(ref))
             except ray.exceptions.ActorUnavailableError:
@@ -304,7 +304,15 @@ class Watch:
             f"{totals.get('write_errors', 0)} storage write errors (retried)"
         )
         recent = totals.get("recent_empty_batches", 0)
-        if totals.get("batches_sampled", 0) == 0:
+        if diag.get("storage"):
+            lines.append(f"  rollout storage: {diag['storage']}")
+        if diag.get("storage") and diag.get("stage") == "waiting for rollouts":
+            cause = (
+                f"the rollout storage is slow or does not answer ({diag['storage']}): check "
+                "that the bucket is reachable from every machine; for a slow one raise "
+                "storage.call_timeout_s"
+            )
+        elif totals.get("batches_sampled", 0) == 0:
             cause = (
                 "the rollout workers have not finished a batch: they may still be compiling, or "
                 "be stuck; their logs say which"
@@ -353,7 +361,7 @@ class Watch:
         else:
             cause = "the logs say more"
         lines.append(f"  likely cause: {cause}.")
-        lines.append(f"  logs: {self.job.run_dir / 'logs'}")
+        lines.append(f"  logs: {self.job.local_dir / 'logs'}")
         lines.append(f"  once fixed, resume with `{self.job.resume_command()}`")
         return "\n".join(lines)
 

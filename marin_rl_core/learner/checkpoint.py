@@ -12,8 +12,11 @@ The trainer state (model, optimizer state, step, key: levanter's ``TrainerState`
 with :func:`levanter.checkpoint.load_checkpoint` into whatever mesh the reader has: a checkpoint
 saved on 4 devices resumes on 1 or 2, and ``marinrl export`` reads the model on one CPU. Arrays are
 TensorStore data read into a template of the same structure (no pickle), so nothing executable
-is ever loaded. A checkpoint directory is written under a temporary name and renamed when
-complete: a crash mid-write never leaves a checkpoint that looks whole.
+is ever loaded. A checkpoint counts once its ``state.json`` and levanter's ``metadata.json`` are
+there: on a local disk it is written under a temporary name and renamed when complete; on a bucket
+(``run_dir=gs://...``, :mod:`marin_rl_core.rundir`), where a rename copies every object, it is
+written in place with ``state.json`` last. Either way a crash mid-write never leaves a checkpoint
+that looks whole.
 """
 
 from __future__ import annotations
@@ -21,12 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from marin_rl_core.errors import ExitCode, MarinRLError
+from marin_rl_core.rundir import (
+    absolute,
+    is_remote,
+    remove_tree,
+    run_path,
+    write_text,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 STATE_FILE = "state.json"
@@ -58,13 +67,11 @@ def run_config_file(run_dir: str | Path, *, what: str = "") -> Path:
     """
     from marin_rl_core.errors import ConfigError
 
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     prefix = f"{what} {run_dir}" if what else str(run_dir)
     hint = "give the directory `marinrl run` printed, e.g. runs/rl-20261122-101500"
     if not run_dir.exists():
-        raise ConfigError(
-            f"{prefix}: no such directory (looked in {run_dir.expanduser().absolute()}); {hint}"
-        )
+        raise ConfigError(f"{prefix}: no such directory (looked in {absolute(run_dir)}); {hint}")
     saved = run_dir / "config.toml"
     if not saved.is_file():
         raise ConfigError(f"{prefix}: not a run directory (it has no config.toml); {hint}")
@@ -72,7 +79,7 @@ def run_config_file(run_dir: str | Path, *, what: str = "") -> Path:
 
 
 def _root(run_dir: str | Path) -> Path:
-    return Path(run_dir) / CHECKPOINT_DIR
+    return run_path(run_dir) / CHECKPOINT_DIR
 
 
 def save_checkpoint(
@@ -91,19 +98,21 @@ def save_checkpoint(
     root = _root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    tmp = root / f".step-{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # On a bucket a rename copies every object: write in place, state.json last (a checkpoint
+    # without it is not complete, and a half-written one of the same step is cleared first).
+    remote = is_remote(root)
+    tmp = final if remote else root / f".step-{step:06d}.tmp"
+    remove_tree(tmp)
     levanter.checkpoint.save_checkpoint(trainer_state, step, str(tmp), is_temporary=False)
     for name, data in (files or {}).items():
         (tmp / name).write_bytes(data)
     (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(state or {})}, indent=2))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest_tmp = root / ".latest.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / "latest")
-    for old in sorted(root.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if not remote:
+        remove_tree(final)
+        os.replace(tmp, final)
+    write_text(root / "latest", final.name)
+    for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-keep]:
+        remove_tree(old)
     return final
 
 
@@ -114,7 +123,8 @@ def _complete(path: Path) -> bool:
 def checkpoints_newest_first(run_dir: str | Path) -> list[Path]:
     """A run's complete checkpoints, newest first (the ``latest`` marker's one leads)."""
     root = _root(run_dir)
-    complete = [p for p in sorted(root.glob("step-*"), reverse=True) if _complete(p)]
+    steps = sorted(root.glob("step-*"), key=lambda p: p.name, reverse=True)
+    complete = [p for p in steps if _complete(p)]
     marker = root / "latest"
     try:
         named = root / marker.read_text().strip() if marker.exists() else None
@@ -174,7 +184,7 @@ def load_newest(
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a checkpoint directory or a run directory (meaning its latest checkpoint)."""
-    path = Path(path)
+    path = run_path(path)
     if (path / "model.eqx").exists():
         raise CheckpointError(
             f"{path} is a checkpoint of an earlier marinrl (model.eqx), which this version cannot "
@@ -196,7 +206,7 @@ def read_state(checkpoint: str | Path) -> dict[str, Any]:
     Raises:
         CheckpointError: the file is missing, not UTF-8 JSON, or has no integer ``step``.
     """
-    path = Path(checkpoint) / STATE_FILE
+    path = run_path(checkpoint) / STATE_FILE
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -232,7 +242,7 @@ def load_trainer_state(
 def has_loss_state(checkpoint: str | Path) -> bool:
     """Whether a checkpoint holds a loss's trainable state beside the policy (``model/policy``
     and ``model/loss_state``) rather than the policy alone (``model``)."""
-    return (Path(checkpoint) / "model" / "policy").is_dir()
+    return (run_path(checkpoint) / "model" / "policy").is_dir()
 
 
 def load_model(checkpoint: str | Path, like: Any) -> Any:

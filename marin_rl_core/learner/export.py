@@ -17,6 +17,7 @@ from marin_rl_core.config.loading import resolve_config
 from marin_rl_core.errors import ConfigError
 from marin_rl_core.learner.checkpoint import CHECKPOINT_DIR, latest_checkpoint, run_config_file
 from marin_rl_core.registry import Registry
+from marin_rl_core.rundir import run_path
 
 
 def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
@@ -26,7 +27,7 @@ def run_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
         ConfigError: no such run, no checkpoint, or no checkpoint at ``step`` (the message lists
             the steps there are).
     """
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     root = run_dir / CHECKPOINT_DIR
     run_config_file(run_dir)
     steps = sorted(
@@ -60,7 +61,7 @@ def trained_model(
     from marin_rl_core.models.tokenizer import model_tokenizer
 
     checkpoint = run_checkpoint(run_dir, step)
-    config = resolve_config(registry, files=[Path(run_dir) / "config.toml"])
+    config = resolve_config(registry, files=[run_path(run_dir) / "config.toml"])
     tokenizer = model_tokenizer(config.model)
     model = load_model(checkpoint, initial_model(config, tokenizer))
     return model, tokenizer, int(json.loads((checkpoint / "state.json").read_text())["step"])

@@ -60,6 +60,7 @@ from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
+from marin_rl_core.rundir import absolute, growing_file, run_path, upload_now
 from marin_rl_core.types import Rollout
 
 logger = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class Trainer:
         weight_server: publishes weights to rollout workers; ``None`` trains without syncing.
         log: ``log(metrics, step=..., source="train")``, e.g. a :class:`MetricsHub` method.
         curriculum_state: returns the curriculum's state to save beside checkpoints.
+        on_checkpoint: called after each checkpoint with its step (the job has the metrics
+            hub upload ``metrics.jsonl`` then, for a run directory on a bucket).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class Trainer:
         weight_server: WeightTransferServer | None = None,
         log: Callable[..., Any] | None = None,
         curriculum_state: Callable[[], dict[str, Any]] | None = None,
+        on_checkpoint: Callable[[int], None] | None = None,
     ):
         import equinox as eqx
         import jax
@@ -134,7 +138,9 @@ class Trainer:
             lesson.id: config.sampling_for(lesson).temperature
             for lesson in config.curriculum.lessons
         }
-        self.run_dir = Path(run_dir)
+        self.run_dir = run_path(run_dir)
+        self._samples = growing_file(run_dir, "samples.jsonl")
+        self._on_checkpoint = on_checkpoint or (lambda step: None)
         self.reader: RolloutReader | None = None
         self.weight_server = weight_server
         self._log = log or (lambda metrics, *, step, source: None)
@@ -225,7 +231,7 @@ class Trainer:
         )
         # Samples of steps after the checkpoint (written by a run that died) give way to the
         # steps trained again, as their metric rows do.
-        drop_rows_after(self.run_dir / "samples.jsonl", self.step)
+        drop_rows_after(self._samples, self.step)
         self.replay.set_current_step(self.step)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
@@ -305,6 +311,7 @@ class Trainer:
                 replay.get("dropped_stale_step", 0) + replay.get("dropped_stale_time", 0)
             ),
             "dropped_by_loss": int(replay.get("dropped_by_loss", 0)),
+            "storage": self.reader.trouble() if self.reader is not None else "",
         }
 
     @property
@@ -337,7 +344,7 @@ class Trainer:
         return (
             f"The last good checkpoint (step {self.last_checkpoint_step}) is kept in "
             f"{self.run_dir / 'checkpoints'}: resume from it with `marinrl run --resume "
-            f"{self.run_dir.absolute()} --set ...`"
+            f"{absolute(self.run_dir)} --set ...`"
         )
 
     def checkpoint(self) -> Path:
@@ -371,6 +378,8 @@ class Trainer:
         self.last_checkpoint_step = self.step
         if self.reader is not None:
             self.reader.checkpointed(position)  # storage may now forget those batches
+        upload_now()  # a run directory on a bucket: samples and log as far as the checkpoint
+        self._on_checkpoint(self.step)
         return path
 
     # --- the loop -----------------------------------------------------------------------------
@@ -567,7 +576,7 @@ class Trainer:
                 stages, steps_since_log = dict.fromkeys(STAGE_KEYS, 0.0), 0
                 self._log(metrics, step=self.step, source="train")
             write_samples(
-                self.run_dir / "samples.jsonl", rollouts[: max(self.config.logging.samples_per_step, 0)],
+                self._samples, rollouts[: max(self.config.logging.samples_per_step, 0)],
                 step=self.step, tokenizer=self.tokenizer,
             )  # fmt: skip
             if self.step % t.checkpoint_interval_steps == 0 or self.step == total:
