@@ -174,3 +174,10 @@ class WorkerLostError(MarinRLError):
     """A trainer or rollout worker process died, and could not be (or was too often) restarted."""
 
     exit_code = ExitCode.WORKER_LOST
+
+
+class WeightMismatchError(MarinRLError, ValueError):
+    """Weights a rollout worker received do not fit its model (other leaves, dtypes or shapes):
+    the trainer and the workers were built from different model configs."""
+
+    exit_code = ExitCode.CONFIG

@@ -20,6 +20,7 @@ from marin_rl_core.types import (
     LessonConfig,
     LessonStats,
     Problem,
+    ReceivedWeights,
     RolloutBatch,
     RolloutGroup,
     Score,
@@ -267,7 +268,14 @@ class WeightTransferServer(Protocol):
         ...
 
     def publish(self, model: Any, *, weight_step: int) -> None:
-        """Make ``model``'s weights, tagged ``weight_step``, what clients receive next."""
+        """Serve ``model``'s weights as ``weight_step`` (steps increase) without waiting for
+        any transfer: the trainer goes on training as soon as this returns.
+
+        ``model`` is the server's own: the trainer hands over a fresh copy (in the inference
+        dtype) that no train step donates or writes, so the server may keep it and read it
+        later, zero-copy. Preparing it (a host copy, serialization) happens in the background;
+        until it is ready clients keep receiving the previous version, and a client receives
+        all of one version or an error, never a mix."""
         ...
 
     def close(self) -> None: ...
@@ -275,11 +283,17 @@ class WeightTransferServer(Protocol):
 
 @runtime_checkable
 class WeightTransferClient(Protocol):
-    """A rollout worker's end: fetches newer weights when there are some."""
+    """A rollout worker's end: fetches newer weights when there are some.
 
-    def receive(self, like_model: Any) -> tuple[Any, int] | None:
-        """Return ``(model, weight_step)`` with weights newer than the last ones received,
-        shaped like ``like_model``, or ``None`` if nothing newer was published."""
+    Every wait is bounded (the plugin's timeout); an error (no server, a dead or wedged one)
+    raises, and the worker goes on sampling with the weights it has and asks again later with
+    backoff. Weights that do not fit ``like_model`` raise
+    :class:`~marin_rl_core.errors.WeightMismatchError`, which stops the worker."""
+
+    def receive(self, like_model: Any) -> ReceivedWeights | None:
+        """Weights newer than the last ones received, shaped like ``like_model``, with what the
+        transfer took (:class:`~marin_rl_core.types.ReceivedWeights`); ``None`` if nothing
+        newer was published."""
         ...
 
     def close(self) -> None: ...

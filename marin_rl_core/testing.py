@@ -21,6 +21,7 @@ kind's protocol, and for envs, losses and curricula a tiny call works.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -322,9 +323,28 @@ def check_storage(record: StoragePlugin) -> None:
 
 
 def check_weight_transfer(record: WeightTransferPlugin) -> None:
-    """Contract of a weight transfer: protocol only (serving needs a network)."""
+    """Contract of a weight transfer: on loopback, a published version arrives bit for bit as
+    a ``ReceivedWeights`` (within 30 s: publishing is served in the background), and nothing
+    newer gives ``None``."""
+    import jax.numpy as jnp
+
+    from marin_rl_core.types import ReceivedWeights
+
     transfer = record.build(check_config_class(record))
     assert isinstance(transfer, protocols.WeightTransfer), f"weight_transfer {record.name!r}"
+    server = transfer.server()
+    try:
+        sent = {"w": jnp.arange(6, dtype=jnp.bfloat16), "b": jnp.ones((2, 3), jnp.float32)}
+        server.publish(sent, weight_step=1)
+        client, got, deadline = transfer.client(server.address), None, time.monotonic() + 30
+        while got is None and time.monotonic() < deadline:
+            got = client.receive({"w": jnp.zeros(6, jnp.bfloat16), "b": jnp.zeros((2, 3))})
+        assert isinstance(got, ReceivedWeights) and got.weight_step == 1, f"{record.name}: {got}"
+        assert all((got.model[k] == sent[k]).all() for k in sent), f"{record.name}: not bit-exact"
+        assert client.receive(got.model) is None, f"{record.name}: nothing newer must give None"
+        client.close()
+    finally:
+        server.close()
 
 
 def check_curriculum(record: CurriculumPlugin) -> None:

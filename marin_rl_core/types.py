@@ -416,6 +416,37 @@ class RunInfo:
     run_dir: str
 
 
+@attrs.frozen(kw_only=True, eq=False)
+class ReceivedWeights:
+    """What ``WeightTransferClient.receive`` returns: newer weights and how they came.
+
+    Args:
+        model: ``like_model`` with the received weights (each array on ``like_model``'s leaf's
+            device/sharding).
+        weight_step: the trainer step of these weights.
+        nbytes: bytes received.
+        seconds: wall-clock seconds the receive took (asking included).
+        latest_step: the newest step the server had published when the receive ended (the
+            trainer may have published again during the transfer: ``latest_step -
+            weight_step`` is the version lag).
+    """
+
+    model: Any
+    weight_step: int
+    nbytes: int
+    seconds: float
+    latest_step: int
+
+    def metrics(self) -> dict[str, float]:
+        """``bytes``, ``seconds``, ``gb_per_s`` and ``lag_steps`` of this receive."""
+        return {
+            "bytes": float(self.nbytes),
+            "seconds": self.seconds,
+            "gb_per_s": self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0,
+            "lag_steps": float(max(0, self.latest_step - self.weight_step)),
+        }
+
+
 @attrs.frozen(kw_only=True)
 class LessonDependency:
     """A lesson unlocks only once ``lesson`` reaches ``reward_threshold`` in eval."""

@@ -20,6 +20,7 @@ a type.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import socket
 import threading
@@ -28,12 +29,17 @@ from typing import Any
 
 import attrs
 
-from marin_rl_core import WeightTransferPlugin, hookimpl
+from marin_rl_core import ReceivedWeights, WeightTransferPlugin, hookimpl
+from marin_rl_core.weight_leaves import array_leaves, check_fits, describe
+
+logger = logging.getLogger(__name__)
 
 WIRE_FORMAT_VERSION = 1
 _INFO_ACTION = "info"
 _LATEST_TICKET = b"latest"
 _META_KEY = b"marinrl.weights"
+SMALL_PIECE = 1 << 20
+"""Pieces smaller than this are copied together into shared record batches."""
 
 
 @attrs.frozen(kw_only=True)
@@ -51,7 +57,9 @@ class ArrowFlightConfig:
     """
 
     host: str = "127.0.0.1"
-    port: int = attrs.field(default=0, validator=[attrs.validators.ge(0), attrs.validators.le(65535)])
+    port: int = attrs.field(
+        default=0, validator=[attrs.validators.ge(0), attrs.validators.le(65535)]
+    )
     advertise_host: str = ""
     chunk_bytes: int = attrs.field(default=32 * 2**20, validator=attrs.validators.ge(1))
     timeout_s: float = attrs.field(default=300.0, validator=attrs.validators.gt(0.0))
@@ -68,18 +76,6 @@ class ArrowFlightConfig:
 # --- the model <-> leaves conversion ---------------------------------------------------------
 
 
-def _array_leaves(model: Any) -> tuple[list[Any], Any, list[int], list[str]]:
-    """Flatten ``model``: (all leaves, treedef, indices of the array leaves, their paths)."""
-    import equinox as eqx
-    import jax
-
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(model)
-    leaves = [leaf for _, leaf in with_paths]
-    index = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
-    paths = [jax.tree_util.keystr(with_paths[i][0]) for i in index]
-    return leaves, treedef, index, paths
-
-
 @attrs.frozen
 class _Snapshot:
     weight_step: int
@@ -88,30 +84,27 @@ class _Snapshot:
     nbytes: int
 
 
-def _host_copy(leaf: Any) -> Any:
-    """A host numpy array that nothing else writes to (the trainer may donate ``leaf``)."""
+def _host_view(leaf: Any) -> Any:
+    """``leaf`` as a C-contiguous host numpy array: a view of a CPU buffer (the published model
+    is the server's own, so nothing writes to it or frees it), a copy of an accelerator's."""
     import jax
     import numpy as np
 
     if isinstance(leaf, jax.Array) and all(d.platform != "cpu" for d in leaf.devices()):
-        return np.ascontiguousarray(jax.device_get(leaf))  # the transfer is already a copy
-    # numpy leaves, and CPU jax arrays (whose numpy view shares the device buffer).
-    return np.array(leaf, copy=True, order="C")
+        return np.ascontiguousarray(jax.device_get(leaf))
+    return np.ascontiguousarray(np.asarray(leaf))
 
 
 def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
     import numpy as np
     import pyarrow as pa
 
-    leaves, _, index, paths = _array_leaves(model)
-    arrays = [_host_copy(leaves[i]) for i in index]
+    leaves, _, index, paths = array_leaves(model)
+    arrays = [_host_view(leaves[i]) for i in index]
     description = {
         "format_version": WIRE_FORMAT_VERSION,
         "weight_step": weight_step,
-        "leaves": [
-            {"path": p, "dtype": str(a.dtype), "shape": list(a.shape)}
-            for p, a in zip(paths, arrays, strict=True)
-        ],
+        "leaves": describe(arrays, paths),
     }
     schema = pa.schema(
         [("leaf", pa.int32()), ("offset", pa.int64()), ("data", pa.large_binary())],
@@ -147,14 +140,19 @@ def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
         )
         pending, pending_bytes = [], 0
 
+    # Small leaves share a record batch (their bytes copied together); a piece of at least
+    # SMALL_PIECE bytes goes alone, as a view of the leaf's buffer: no copy of the weights.
+    small = min(SMALL_PIECE, chunk_bytes)
     for i, array in enumerate(arrays):
         buffer = pa.py_buffer(array.reshape(-1).view(np.uint8))
         for start in range(0, max(buffer.size, 1), chunk_bytes):
             piece = buffer.slice(start, min(chunk_bytes, buffer.size - start))
-            if pending_bytes + piece.size > chunk_bytes:
+            if piece.size >= small or pending_bytes + piece.size > chunk_bytes:
                 flush()
             pending.append((i, start, piece))
             pending_bytes += piece.size
+            if piece.size >= small:
+                flush()
     flush()
     return _Snapshot(
         weight_step=weight_step,
@@ -211,7 +209,11 @@ def _flight_server_class() -> type:
 
 
 class ArrowFlightServer:
-    """The trainer's end: a Flight server holding the latest published weights."""
+    """The trainer's end: a Flight server holding the latest published weights.
+
+    ``publish`` only queues the model: a background thread turns it into Arrow record batches
+    (views of the model's host buffers, no copy on CPU) and swaps them in whole, so a stream
+    already started keeps the version it started with and the trainer never waits."""
 
     def __init__(self, config: ArrowFlightConfig):
         self._config = config
@@ -224,27 +226,69 @@ class ArrowFlightServer:
         self._address = f"grpc+tcp://{host}:{self._server.port}"
         self._publish_seconds = 0.0
         self._publishes = 0
+        self._queued_step: int | None = None
+        self._pending: tuple[Any, int] | None = None
+        self._failure: str = ""
+        self._closed = False
+        self._wake = threading.Condition()
+        self._worker = threading.Thread(
+            target=self._prepare_loop, name="marinrl-flight-publish", daemon=True
+        )
+        self._worker.start()
 
     @property
     def address(self) -> str:
         return self._address
 
     def publish(self, model: Any, *, weight_step: int) -> None:
-        """Serve ``model``'s array leaves as ``weight_step`` from now on (copied to host memory,
-        so the caller may donate or change ``model`` afterwards). Steps must increase."""
-        start = time.perf_counter()
+        """Serve ``model`` (the server's own from now on: see
+        :meth:`~marin_rl_core.protocols.WeightTransferServer.publish`) as ``weight_step`` once
+        it is prepared in the background; returns at once. Steps must increase.
+
+        Raises:
+            ValueError: ``weight_step`` is not above the last one published.
+            RuntimeError: preparing an earlier version failed (the message says why).
+        """
+        step = int(weight_step)
+        with self._wake:
+            if self._failure:
+                raise RuntimeError(self._failure)
+            if self._queued_step is not None and step <= self._queued_step:
+                raise ValueError(
+                    f"weight_step must increase with each publish: got {step} after "
+                    f"{self._queued_step}"
+                )
+            self._queued_step = step
+            self._pending = (model, step)  # a newer one replaces one not yet started
+            self._wake.notify()
+
+    def _prepare_loop(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                assert self._pending is not None
+                (model, step), self._pending = self._pending, None
+            start = time.perf_counter()
+            try:
+                snapshot = _snapshot(model, step, self._config.chunk_bytes)
+            except Exception as exc:  # noqa: BLE001 - reported by the next publish
+                logger.exception("preparing weights of step %d to serve failed", step)
+                with self._wake:
+                    self._failure = f"preparing the weights of step {step} failed: {exc!r}"
+                continue
+            del model
+            with self._server.lock:
+                self._server.snapshot = snapshot
+            self._publishes += 1
+            self._publish_seconds += time.perf_counter() - start
+
+    def served_step(self) -> int | None:
+        """The step being served now (``None`` before the first is ready)."""
         with self._server.lock:
-            current = self._server.snapshot
-        if current is not None and weight_step <= current.weight_step:
-            raise ValueError(
-                f"weight_step must increase with each publish: got {weight_step} after "
-                f"{current.weight_step}"
-            )
-        snapshot = _snapshot(model, int(weight_step), self._config.chunk_bytes)
-        with self._server.lock:
-            self._server.snapshot = snapshot
-        self._publishes += 1
-        self._publish_seconds += time.perf_counter() - start
+            return None if self._server.snapshot is None else self._server.snapshot.weight_step
 
     def get_metrics(self) -> dict[str, float]:
         """Counters: publishes, publish seconds, info calls, fetches served, bytes sent."""
@@ -259,14 +303,13 @@ class ArrowFlightServer:
         }
 
     def close(self) -> None:
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
         self._server.shutdown()
 
 
 # --- client ------------------------------------------------------------------------------------
-
-
-class WeightMismatchError(ValueError):
-    """The served weights do not have ``like_model``'s leaves (paths, dtypes or shapes)."""
 
 
 class ArrowFlightClient:
@@ -310,38 +353,60 @@ class ArrowFlightClient:
             raise ConnectionError(f"weight server sent a malformed weight_step {step!r}")
         return step
 
-    def receive(self, like_model: Any) -> tuple[Any, int] | None:
-        """``(model, weight_step)``: ``like_model`` with the server's newer weights (each array
-        leaf on the device/sharding of ``like_model``'s leaf), or ``None`` when the server has
-        nothing newer than the last weights this client received."""
-        step = self._server_step()
-        if step is None or (self._last_step is not None and step <= self._last_step):
-            return None
+    def receive(self, like_model: Any) -> ReceivedWeights | None:
+        """``like_model`` with the server's newer weights (each array leaf on the
+        device/sharding of ``like_model``'s leaf), or ``None`` when the server has nothing
+        newer than the last weights this client received. The stream carries the version
+        being served when it starts, whole."""
+        import pyarrow.flight as flight
+
         start = time.perf_counter()
-        model, got_step, nbytes = self._download(like_model)
+        try:
+            step = self._server_step()
+            if step is None or (self._last_step is not None and step <= self._last_step):
+                return None
+            model, got_step, nbytes = self._download(like_model)
+        except flight.FlightError as exc:
+            raise ConnectionError(
+                f"the arrow_flight weight server at {self._address} did not answer: "
+                f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300]}"
+            ) from exc
         elapsed = time.perf_counter() - start
         self._last_step = got_step
         self._metrics["fetches"] += 1
         self._metrics["bytes_received"] += nbytes
         self._metrics["fetch_seconds"] += elapsed
         self._metrics["last_fetch_seconds"] = elapsed
-        return model, got_step
+        return ReceivedWeights(
+            model=model,
+            weight_step=got_step,
+            nbytes=nbytes,
+            seconds=elapsed,
+            latest_step=max(step, got_step),
+        )
 
     def _download(self, like_model: Any) -> tuple[Any, int, int]:
         import jax
         import numpy as np
         import pyarrow.flight as flight
 
-        leaves, treedef, index, paths = _array_leaves(like_model)
+        leaves, treedef, index, paths = array_leaves(like_model)
         reader = self._client.do_get(flight.Ticket(_LATEST_TICKET), options=self._options)
         description = self._description(reader.schema)
-        self._check_fits(description, [leaves[i] for i in index], paths)
+        check_fits(
+            description["leaves"],
+            [leaves[i] for i in index],
+            paths,
+            source=self._address,
+            step=description["weight_step"],
+        )
         step = description["weight_step"]
 
         like = [leaves[i] for i in index]
-        buffers = [
-            np.empty(math.prod(x.shape) * np.dtype(x.dtype).itemsize, np.uint8) for x in like
-        ]
+        sizes = [math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in like]
+        # A leaf that arrives in one piece is used where it lies (a view of the received Arrow
+        # buffer, which nothing else holds); a leaf split over several pieces is assembled.
+        buffers: list[Any] = [None] * len(like)
         filled = [0] * len(like)
         for chunk in reader:
             batch = chunk.data
@@ -351,13 +416,20 @@ class ArrowFlightClient:
             for row in range(batch.num_rows):
                 leaf, offset = int(leaf_ids[row]), int(offsets[row])
                 piece = np.frombuffer(data[row].as_buffer(), dtype=np.uint8)
-                if not (0 <= leaf < len(like) and 0 <= offset <= buffers[leaf].size - piece.size):
+                if not (0 <= leaf < len(like) and 0 <= offset <= sizes[leaf] - piece.size):
                     raise ConnectionError(
                         f"weight server at {self._address} sent bytes outside leaf {leaf}"
                     )
-                buffers[leaf][offset : offset + piece.size] = piece
+                if buffers[leaf] is None and offset == 0 and piece.size == sizes[leaf]:
+                    buffers[leaf] = piece
+                else:
+                    if buffers[leaf] is None or not buffers[leaf].flags.writeable:
+                        whole, buffers[leaf] = buffers[leaf], np.empty(sizes[leaf], np.uint8)
+                        if whole is not None:
+                            buffers[leaf][:] = whole
+                    buffers[leaf][offset : offset + piece.size] = piece
                 filled[leaf] += piece.size
-        short = [paths[i] for i in range(len(like)) if filled[i] != buffers[i].size]
+        short = [paths[i] for i in range(len(like)) if filled[i] != sizes[i]]
         if short:
             raise ConnectionError(
                 f"incomplete weights from {self._address} (step {step}): leaves {short[:5]} "
@@ -366,7 +438,8 @@ class ArrowFlightClient:
 
         new_leaves = list(leaves)
         for k, (i, old) in enumerate(zip(index, like, strict=True)):
-            value = buffers[k].view(old.dtype).reshape(old.shape)
+            got = buffers[k] if buffers[k] is not None else np.empty(0, np.uint8)  # 0 bytes
+            value = got.view(old.dtype).reshape(old.shape)
             if isinstance(old, jax.Array):
                 value = jax.device_put(value, old.sharding)
             new_leaves[i] = value
@@ -386,28 +459,6 @@ class ArrowFlightClient:
                 f"({description!r:.200})"
             )
         return description
-
-    def _check_fits(self, description: dict[str, Any], like: list[Any], paths: list[str]) -> None:
-        served = description["leaves"]
-        mine = [
-            {"path": p, "dtype": str(x.dtype), "shape": list(x.shape)}
-            for p, x in zip(paths, like, strict=True)
-        ]
-        if served == mine:
-            return
-        if len(served) != len(mine):
-            detail = f"the server has {len(served)} array leaves, like_model has {len(mine)}"
-        else:
-            k = next(k for k in range(len(mine)) if served[k] != mine[k])
-            s, m = served[k], mine[k]
-            detail = (
-                f"leaf {k} is {s.get('path')} {s.get('dtype')}{s.get('shape')} on the server but "
-                f"{m['path']} {m['dtype']}{m['shape']} in like_model"
-            )
-        raise WeightMismatchError(
-            f"weights from {self._address} (step {description['weight_step']}) do not fit "
-            f"like_model: {detail}. Build like_model with the trainer's model config."
-        )
 
     def get_metrics(self) -> dict[str, float]:
         """Counters: info calls, fetches, bytes received, fetch seconds (total and last)."""

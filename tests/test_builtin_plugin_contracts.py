@@ -24,6 +24,8 @@ def test_the_kinds_the_product_promises_are_built_in():
         ("loss", "rloo"),
         ("storage", "memory"),
         ("weight_transfer", "arrow_flight"),
+        ("weight_transfer", "jax"),
+        ("storage", "gcs"),
         ("curriculum", "default"),
     ]:
         assert name in REGISTRY.names(kind), f"{kind} {name!r} is missing"

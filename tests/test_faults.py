@@ -335,11 +335,17 @@ def _kill_rollout_worker_0_after_a_step(
     return first, stderr
 
 
-def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tiny_mock_job):
+@pytest.mark.parametrize("weights", ["arrow_flight", "jax"])
+def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(
+    tmp_path, tiny_mock_job, weights
+):
+    """With each weight transfer plugin: the restarted worker receives weights again, and each
+    receive's bytes, seconds, GB/s and version lag are in the rollout rows."""
     run_dir = tmp_path / "restart"
     log = run_dir / "logs" / "rollout-0.log"
     first, stderr = _kill_rollout_worker_0_after_a_step(
-        tmp_path, "restart", tiny_mock_job, "--set", "trainer.num_train_steps=40",
+        tmp_path, "restart", tiny_mock_job, "--weight-transfer", weights,
+        "--set", "trainer.num_train_steps=40",
         "--set", "faults.restart_backoff_s=0.1", "--set", "logging.samples_per_step=32",
         # On-policy, so the job lasts (~0.1 s a step) until the killed worker is back: with
         # warm compile caches twelve off-policy steps took 0.3 s, done before the kill landed.
@@ -366,6 +372,10 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(tmp_path, tin
 
     restarts = [r for r in read_metrics(run_dir) if "faults/rollout_worker_restarts" in r]
     assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
+    receives = [r for r in read_metrics(run_dir) if "rollout/weights_bytes" in r]
+    assert len(receives) >= 2 and all(r["rollout/weights_bytes"] > 0 for r in receives)
+    assert all(r["rollout/weights_gb_per_s"] > 0 for r in receives)
+    assert all(r["rollout/weights_lag_steps"] >= 0 for r in receives)
 
 
 def test_a_rollout_worker_killed_while_setting_up_is_restarted_counted_and_logged(
@@ -605,6 +615,25 @@ def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_pat
     assert "model.max_seq_len" in result.output and "Traceback" not in result.output
     rows = (tmp_path / "stalled" / "metrics.jsonl").read_text().splitlines()
     assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
+
+
+@pytest.mark.parametrize("weights", ["arrow_flight", "jax"])
+def test_a_weight_server_the_workers_cannot_reach_is_named_by_the_watchdog(
+    cli, tmp_path, tiny_mock_job, weights
+):
+    """The trainer advertises an address where nothing answers (127.0.0.2: loopback, but the
+    servers bind 127.0.0.1): workers retry with backoff, and the watchdog says why no step
+    completes."""
+    result = cli("run", *tiny_mock_job, "--weight-transfer", weights,
+                 "--set", 'weight_transfer.advertise_host="127.0.0.2"',
+                 "--set", "faults.stall_timeout_s=30", "--set", "faults.stop_timeout_s=10",
+                 "--set", f'run_dir="{tmp_path}"', "--run-id", "unreachable")  # fmt: skip
+    assert result.exit_code == ExitCode.STALLED, result.output
+    text = " ".join(result.output.split())
+    assert "the rollout workers cannot receive weights from the trainer's weight server" in text
+    assert "127.0.0.2" in text and "Traceback" not in result.output
+    log = (tmp_path / "unreachable" / "logs" / "rollout-0.log").read_text()
+    assert "receiving weights failed" in log and "trying again in" in log
 
 
 def test_a_loss_that_drops_every_group_stops_the_job_naming_the_option(

@@ -312,6 +312,20 @@ class Watch:
                 "that the bucket is reachable from every machine; for a slow one raise "
                 "storage.call_timeout_s"
             )
+        elif totals.get("weight_errors", 0) and (
+            totals.get("batches_sampled", 0) == 0 or diag.get("stage") == "publishing weights"
+        ):
+            weight_error = next(
+                (c["last_weight_error"] for c in self.counters if c and c.get("last_weight_error")),
+                "see the logs",
+            )
+            cause = (
+                f"the rollout workers cannot receive weights from the trainer's weight server "
+                f"({totals['weight_errors']} failed receives, retried with backoff; latest: "
+                f"{weight_error}): check that the workers can reach "
+                f"{self.job.config.weight_transfer.name}'s address (host/advertise_host) and "
+                "the trainer's log"
+            )
         elif totals.get("batches_sampled", 0) == 0:
             cause = (
                 "the rollout workers have not finished a batch: they may still be compiling, or "

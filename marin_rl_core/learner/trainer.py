@@ -326,14 +326,17 @@ class Trainer:
         self._stop.set()
 
     def publish(self) -> None:
-        """Send the current weights to rollout workers (once per step at most)."""
+        """Hand the current weights to the weight server (once per step at most). The server
+        gets a copy of its own, made on the device asynchronously, and serves it in the
+        background: the next train step (which donates the state) neither waits for the
+        transfer nor can change what is served."""
         if self.weight_server is not None and self._published_step != self.step:
             # In the rollout engines' dtype: what they sample with, and half the bytes for bf16.
-            from marin_rl_core.models.build import cast_floating
+            from marin_rl_core.models.build import publish_copy
 
             self._enter("publishing weights")
             self.weight_server.publish(
-                cast_floating(self.model, self.config.model.resolved_inference_dtype),
+                publish_copy(self.model, self.config.model.resolved_inference_dtype),
                 weight_step=self.step,
             )
             self._published_step = self.step

@@ -6,6 +6,7 @@ load/save. Log-probabilities are in :mod:`marin_rl_core.models.logprobs`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +160,28 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
         return x
 
     return jax.tree.map(cast, tree)
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_cast(dtype: Any) -> Any:
+    return jax.jit(lambda x: x.astype(dtype))
+
+
+def publish_copy(tree: Any, dtype: Any) -> Any:
+    """A copy of ``tree`` with its floating-point arrays in ``dtype``, in buffers of its own:
+    nothing done to ``tree`` afterwards (a train step donating it) changes or frees the copy.
+    Dispatched asynchronously: it returns at once, the copies are made on the device while
+    the caller goes on (what the trainer hands its weight server)."""
+    dtype = jnp.dtype(dtype)
+
+    def copy(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+            return _jitted_cast(dtype)(x)  # a new buffer
+        return jax.device_put(x, may_alias=False)
+
+    return jax.tree.map(copy, tree)
 
 
 def _one_axis_mesh() -> Any:

@@ -23,7 +23,7 @@ from marin_rl_core.errors import MarinRLError
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.manager import RolloutManager
-from marin_rl_core.types import RolloutBatch
+from marin_rl_core.types import ReceivedWeights, RolloutBatch
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,11 @@ class RolloutWorker:
         restarted, so that it does not draw again what its dead predecessor drew."""
         self.weight_step = -1  # nothing received yet
         self.weight_syncs = 0
+        self.weight_errors = 0
+        self.last_weight_error = ""
+        self._received: list[ReceivedWeights] = []  # receives not yet in a metrics row
+        self._weights_backoff = 0.0
+        self._weights_retry_at = 0.0
         self.batches_written = 0
         self.batches_sampled = 0
         self.empty_batches_in_a_row = 0  # batches in which every problem was dropped
@@ -132,16 +137,43 @@ class RolloutWorker:
     # --- weights ------------------------------------------------------------------------------
 
     def sync_weights(self) -> bool:
-        """Swap in newer weights if the trainer published some; returns whether it did."""
+        """Swap in newer weights if the trainer published some; returns whether it did.
+
+        A receive that fails (the weight server dead, wedged or unreachable) is logged, counted
+        and tried again after a backoff (0.5 s doubling to 30 s) while the worker samples on
+        with the weights it has; weights that do not fit the model
+        (:class:`~marin_rl_core.errors.WeightMismatchError`) stop the worker."""
         if self.weight_client is None:
             if self.weight_step < 0:
                 self.weight_step = 0
             return False
-        received = self.weight_client.receive(self.manager.model)
+        now = time.monotonic()
+        if now < self._weights_retry_at:
+            return False
+        try:
+            received = self.weight_client.receive(self.manager.model)
+        except MarinRLError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a transfer failure: retried with backoff
+            self.weight_errors += 1
+            self._weights_backoff = min(max(0.5, 2 * self._weights_backoff), 30.0)
+            self._weights_retry_at = time.monotonic() + self._weights_backoff
+            self.last_weight_error = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            logger.warning(
+                "worker %s: receiving weights failed (%s); sampling on with step %d, trying "
+                "again in %.1f s",
+                self.worker_id,
+                self.last_weight_error,
+                self.weight_step,
+                self._weights_backoff,
+            )
+            return False
+        self._weights_backoff = 0.0
         if received is None:
             return False
-        model, step = received
-        self.manager.update_model(model)
+        step = received.weight_step
+        self._received.append(received)
+        self.manager.update_model(received.model)
         self.weight_step = int(step)
         now = time.monotonic()
         if self._last_weights_at is not None:
@@ -155,6 +187,21 @@ class RolloutWorker:
         self.weight_syncs += 1
         logger.info("worker %s: now sampling with weights of step %d", self.worker_id, step)
         return True
+
+    def _receive_metrics(self) -> dict[str, float]:
+        """The weight receives since the last row (while sampling or waiting for weights):
+        bytes and seconds summed, GB/s over them, and the largest version lag."""
+        if not self._received:
+            return {}
+        received, self._received = self._received, []
+        nbytes = sum(r.nbytes for r in received)
+        seconds = sum(r.seconds for r in received)
+        return {
+            "weights_bytes": float(nbytes),
+            "weights_seconds": seconds,
+            "weights_gb_per_s": nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            "weights_lag_steps": max(r.metrics()["lag_steps"] for r in received),
+        }
 
     def wait_for_weights(self, min_step: int, *, timeout: float = 600.0) -> bool:
         """Block until weights of at least ``min_step`` arrive (or stop/timeout)."""
@@ -447,6 +494,8 @@ class RolloutWorker:
                     (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
                 )
             metrics["weight_sync_seconds"] = sync_seconds if synced else 0.0
+            metrics.update(self._receive_metrics())
+            metrics["weight_errors"] = self.weight_errors
             metrics["paced_seconds"] = paced_seconds
             metrics["rollouts"] = float(len(batch.rollouts)) if batch is not None else 0.0
             metrics["write_seconds"] = write_seconds
@@ -472,6 +521,8 @@ class RolloutWorker:
             "write_errors": self.write_errors,
             "weight_syncs": self.weight_syncs,
             "weight_step": self.weight_step,
+            "weight_errors": self.weight_errors,
+            "last_weight_error": self.last_weight_error,
         }
 
     def final_eval(self, final_step: int, *, timeout: float = 600.0) -> dict[str, float]:
