@@ -34,12 +34,11 @@ from marin_rl_core.weight_leaves import array_leaves, check_fits, describe
 
 logger = logging.getLogger(__name__)
 
-WIRE_FORMAT_VERSION = 1
+WIRE_FORMAT_VERSION = 2
 _INFO_ACTION = "info"
-_LATEST_TICKET = b"latest"
 _META_KEY = b"marinrl.weights"
 SMALL_PIECE = 1 << 20
-"""Pieces smaller than this are copied together into shared record batches."""
+"""Leaves smaller than this are copied together into shared record batches."""
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +81,23 @@ class _Snapshot:
     schema: Any  # pa.Schema with the JSON description in its metadata
     batches: list[Any]  # pa.RecordBatch, referencing the host copies of the leaves
     nbytes: int
+    arrays: list[Any]  # the host views of the leaves (compared with the next version's)
+    changed_at: list[int]  # per leaf, the served step at which its bytes last changed
+    batch_leaves: list[list[int]]  # per record batch, the leaves it carries
+
+    def batches_for(self, have: int | None) -> tuple[list[Any], int]:
+        """The record batches a client holding served step ``have`` lacks (all for ``None``)
+        and their bytes: a leaf unchanged since ``have`` is not sent again."""
+        if have is None or have >= self.weight_step:
+            return self.batches, self.nbytes
+        leaves = {i for i, step in enumerate(self.changed_at) if step > have}
+        chosen = [
+            (batch, ids)
+            for batch, ids in zip(self.batches, self.batch_leaves, strict=True)
+            if leaves.intersection(ids)
+        ]
+        sent = {i for _, ids in chosen for i in ids}
+        return [b for b, _ in chosen], sum(self.arrays[i].nbytes for i in sent)
 
 
 def _host_view(leaf: Any) -> Any:
@@ -95,16 +111,39 @@ def _host_view(leaf: Any) -> Any:
     return np.ascontiguousarray(np.asarray(leaf))
 
 
-def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
+def _unchanged(old: Any, new: Any) -> bool:
+    import numpy as np
+
+    return (
+        old.dtype == new.dtype
+        and old.shape == new.shape
+        and np.array_equal(old.reshape(-1).view(np.uint8), new.reshape(-1).view(np.uint8))
+    )
+
+
+def _snapshot(
+    model: Any, weight_step: int, chunk_bytes: int, previous: _Snapshot | None = None
+) -> _Snapshot:
     import numpy as np
     import pyarrow as pa
 
     leaves, _, index, paths = array_leaves(model)
     arrays = [_host_view(leaves[i]) for i in index]
+    # A leaf whose bytes equal the previous served version's keeps that version's stamp: a
+    # client holding it (or any later one) is not sent the leaf again.
+    changed_at = [
+        previous.changed_at[k]
+        if previous is not None
+        and len(previous.arrays) == len(arrays)
+        and _unchanged(previous.arrays[k], a)
+        else weight_step
+        for k, a in enumerate(arrays)
+    ]
     description = {
         "format_version": WIRE_FORMAT_VERSION,
         "weight_step": weight_step,
         "leaves": describe(arrays, paths),
+        "changed_at": changed_at,
     }
     schema = pa.schema(
         [("leaf", pa.int32()), ("offset", pa.int64()), ("data", pa.large_binary())],
@@ -112,6 +151,7 @@ def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
     )
 
     batches: list[Any] = []
+    batch_leaves: list[list[int]] = []
     pending: list[tuple[int, int, Any]] = []  # (leaf, offset, pa.Buffer slice)
     pending_bytes = 0
 
@@ -138,20 +178,23 @@ def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
                 schema=schema,
             )
         )
+        batch_leaves.append(sorted({p[0] for p in pending}))
         pending, pending_bytes = [], 0
 
-    # Small leaves share a record batch (their bytes copied together); a piece of at least
-    # SMALL_PIECE bytes goes alone, as a view of the leaf's buffer: no copy of the weights.
+    # Leaves under SMALL_PIECE bytes share record batches (their bytes copied together); each
+    # piece of a bigger leaf goes alone, as a view of the leaf's buffer (no copy of the
+    # weights, and a leaf that did not change is left out whole).
     small = min(SMALL_PIECE, chunk_bytes)
     for i, array in enumerate(arrays):
         buffer = pa.py_buffer(array.reshape(-1).view(np.uint8))
+        alone = buffer.size >= small
         for start in range(0, max(buffer.size, 1), chunk_bytes):
             piece = buffer.slice(start, min(chunk_bytes, buffer.size - start))
-            if piece.size >= small or pending_bytes + piece.size > chunk_bytes:
+            if alone or pending_bytes + piece.size > chunk_bytes:
                 flush()
             pending.append((i, start, piece))
             pending_bytes += piece.size
-            if piece.size >= small:
+            if alone:
                 flush()
     flush()
     return _Snapshot(
@@ -159,6 +202,9 @@ def _snapshot(model: Any, weight_step: int, chunk_bytes: int) -> _Snapshot:
         schema=schema,
         batches=batches,
         nbytes=sum(a.nbytes for a in arrays),
+        arrays=arrays,
+        changed_at=changed_at,
+        batch_leaves=batch_leaves,
     )
 
 
@@ -194,15 +240,21 @@ def _flight_server_class() -> type:
             yield flight.Result(json.dumps(info).encode())
 
         def do_get(self, context: Any, ticket: Any) -> Any:
-            if ticket.ticket != _LATEST_TICKET:
-                raise flight.FlightServerError(f"unknown ticket {ticket.ticket!r}")
+            # The ticket: {"have": the served step the client holds, or null}.
+            try:
+                have = json.loads(ticket.ticket)["have"]
+                if have is not None and not isinstance(have, int):
+                    raise TypeError(type(have).__name__)
+            except (ValueError, KeyError, TypeError):
+                raise flight.FlightServerError(f"unknown ticket {ticket.ticket[:100]!r}") from None
             with self.lock:
                 snap = self.snapshot
                 if snap is None:
                     raise flight.FlightUnavailableError("no weights have been published yet")
+                batches, nbytes = snap.batches_for(have)
                 self.counters["fetches_served"] += 1
-                self.counters["bytes_sent"] += snap.nbytes
-            reader = pa.RecordBatchReader.from_batches(snap.schema, snap.batches)
+                self.counters["bytes_sent"] += nbytes
+            reader = pa.RecordBatchReader.from_batches(snap.schema, batches)
             return flight.RecordBatchStream(reader)
 
     return _WeightsFlightServer
@@ -272,14 +324,16 @@ class ArrowFlightServer:
                 assert self._pending is not None
                 (model, step), self._pending = self._pending, None
             start = time.perf_counter()
+            with self._server.lock:
+                previous = self._server.snapshot
             try:
-                snapshot = _snapshot(model, step, self._config.chunk_bytes)
+                snapshot = _snapshot(model, step, self._config.chunk_bytes, previous)
             except Exception as exc:  # noqa: BLE001 - reported by the next publish
                 logger.exception("preparing weights of step %d to serve failed", step)
                 with self._wake:
                     self._failure = f"preparing the weights of step {step} failed: {exc!r}"
                 continue
-            del model
+            del model, previous
             with self._server.lock:
                 self._server.snapshot = snapshot
             self._publishes += 1
@@ -322,6 +376,9 @@ class ArrowFlightClient:
         self._client = flight.connect(address)
         self._options = flight.FlightCallOptions(timeout=config.timeout_s)
         self._last_step: int | None = None
+        self._held: list[Any] | None = None
+        """The array leaves of the last weights received: a leaf the server reports unchanged
+        since then is not sent again and is taken from here."""
         self._metrics = {
             "info_calls": 0.0,
             "fetches": 0.0,
@@ -391,7 +448,9 @@ class ArrowFlightClient:
         import pyarrow.flight as flight
 
         leaves, treedef, index, paths = array_leaves(like_model)
-        reader = self._client.do_get(flight.Ticket(_LATEST_TICKET), options=self._options)
+        have = self._last_step if self._held is not None and len(self._held) == len(index) else None
+        ticket = flight.Ticket(json.dumps({"have": have}).encode())
+        reader = self._client.do_get(ticket, options=self._options)
         description = self._description(reader.schema)
         check_fits(
             description["leaves"],
@@ -429,7 +488,16 @@ class ArrowFlightClient:
                             buffers[leaf][:] = whole
                     buffers[leaf][offset : offset + piece.size] = piece
                 filled[leaf] += piece.size
-        short = [paths[i] for i in range(len(like)) if filled[i] != sizes[i]]
+        # Leaves unchanged since the version this client holds were not sent: kept from it.
+        changed_at = description.get("changed_at")
+        if not (isinstance(changed_at, list) and len(changed_at) == len(like)):
+            raise ConnectionError(f"the weight stream from {self._address} has no changed_at")
+        # (A piece of such a leaf may ride along in a record batch shared with changed ones.)
+        kept = [
+            have is not None and isinstance(at, int) and at <= have and filled[k] != sizes[k]
+            for k, at in enumerate(changed_at)
+        ]
+        short = [paths[i] for i in range(len(like)) if filled[i] != sizes[i] and not kept[i]]
         if short:
             raise ConnectionError(
                 f"incomplete weights from {self._address} (step {step}): leaves {short[:5]} "
@@ -438,11 +506,17 @@ class ArrowFlightClient:
 
         new_leaves = list(leaves)
         for k, (i, old) in enumerate(zip(index, like, strict=True)):
-            got = buffers[k] if buffers[k] is not None else np.empty(0, np.uint8)  # 0 bytes
-            value = got.view(old.dtype).reshape(old.shape)
-            if isinstance(old, jax.Array):
+            if kept[k]:
+                value = self._held[k]  # type: ignore[index]
+            else:
+                got = buffers[k] if buffers[k] is not None else np.empty(0, np.uint8)  # 0 bytes
+                value = got.view(old.dtype).reshape(old.shape)
+            if isinstance(old, jax.Array) and (
+                not isinstance(value, jax.Array) or value.sharding != old.sharding
+            ):
                 value = jax.device_put(value, old.sharding)
             new_leaves[i] = value
+        self._held = [new_leaves[i] for i in index]
         return jax.tree_util.tree_unflatten(treedef, new_leaves), step, sum(filled)
 
     def _description(self, schema: Any) -> dict[str, Any]:

@@ -231,6 +231,40 @@ def test_a_differently_shaped_like_model_is_refused_with_the_leaf(transfer, serv
     assert client.receive(right).weight_step == 1
 
 
+def test_arrow_flight_does_not_resend_leaves_unchanged_since_the_clients_version():
+    """Only the leaves that changed since the version a client holds travel (value
+    pretraining leaves the policy as it is; frozen parts never change); a new client, or one
+    that missed versions, still gets every leaf that changed since what it holds."""
+    transfer = build_transfer("arrow_flight", chunk_bytes=1 << 20)
+    server = transfer.server()
+
+    def version(v: int, *, frozen: float = 7.0) -> dict:
+        return {
+            "big": jnp.full(300_000, frozen, jnp.float32),
+            "head": jnp.full(1000, v, jnp.float32),
+        }
+
+    like = version(0, frozen=0.0)
+    try:
+        client = transfer.client(server.address)
+        server.publish(version(1), weight_step=1)
+        first = receive_step(client, like, 1)
+        assert first.nbytes == (300_000 + 1000) * 4  # everything, the first time
+        server.publish(version(2), weight_step=2)
+        second = receive_step(client, first.model, 2)
+        assert second.nbytes == 1000 * 4  # "big" is unchanged since step 1: not resent
+        assert second.model["big"].tolist() == [7.0] * 300_000
+        assert second.model["head"].tolist() == [2.0] * 1000
+        server.publish(version(3, frozen=8.0), weight_step=3)
+        third = receive_step(client, second.model, 3)
+        assert third.nbytes == (300_000 + 1000) * 4 and set(third.model["big"].tolist()) == {8.0}
+        late = receive_step(transfer.client(server.address), like, 3)  # a client new to it
+        assert late.nbytes == (300_000 + 1000) * 4
+        assert array_bytes(late.model) == array_bytes(third.model)
+    finally:
+        server.close()
+
+
 def test_arrow_flight_config_rejects_bad_values():
     with pytest.raises(ValueError, match="port"):
         ArrowFlightConfig(port=70000)
