@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.rundir import growing_file, local_copy, run_path, upload_now
+from marin_rl_core.rundir import growing_file, local_copy, run_path, upload_now, write_text
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -153,9 +153,7 @@ def drop_rows_after(path: str | Path, step: int) -> int:
         kept.append(line)
     dropped = len(rows) - len(kept)
     if dropped:
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
+        write_text(path, "".join(line + "\n" for line in kept))  # whole or not at all
     return dropped
 
 
