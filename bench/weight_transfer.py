@@ -7,10 +7,12 @@ For each parameter tree (``half_gb``: 32 float32 leaves of 4 M values, 0.5 GB; `
 the leaves of Qwen3-0.6B in bfloat16, 596 M parameters, 1.19 GB):
 
 - memcpy: one numpy copy of the same bytes in this process (the physical limit);
+- tcp: the same bytes through one loopback TCP socket between two threads (the limit of any
+  transport over TCP on this machine, Flight's included);
 - for each plugin (``arrow_flight``, ``jax``): the trainer side (this process) publishes a new
-  version as the trainer does (``publish_copy`` then ``server.publish``), and a client in
-  another process, polling every 5 ms, receives it into its own arrays: publish->received
-  seconds (median of ``--repeats``), GB/s and the ratio to memcpy;
+  version (every leaf changed) as the trainer does (``publish_copy`` then ``server.publish``),
+  and a client in another process, polling every 5 ms, receives it into its own arrays:
+  publish->received seconds (median of ``--repeats``), GB/s and the ratios to memcpy and tcp;
 - step time: a stand-in train step, timed for ``--steps`` steps without publishing, then
   publishing every step while the client receives whatever is newest; the ratio (target <=
   1.05x). The step updates the whole tree (donating it, as a train step does) and runs a chain of
@@ -111,6 +113,31 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / min(times) / 1e9
 
 
+def tcp_gbps(nbytes: int, repeats: int) -> float:
+    """The same bytes through one loopback TCP socket, sender and receiver in two threads."""
+    import socket
+    import threading
+
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        sender = threading.Thread(
+            target=lambda: [listener.accept()[0].sendall(memoryview(src)) for _ in range(repeats)],
+            daemon=True,
+        )
+        sender.start()
+        times = []
+        view = memoryview(dst)
+        for _ in range(repeats):
+            with socket.create_connection(listener.getsockname()) as conn:
+                start, got = time.perf_counter(), 0
+                while got < nbytes:
+                    got += conn.recv_into(view[got:], nbytes - got)
+                times.append(time.perf_counter() - start)
+        sender.join(60)
+    return nbytes / min(times) / 1e9
+
+
 def measure(
     plugin: str, tree: str, repeats: int, steps: int, step_seconds: float
 ) -> dict[str, float]:
@@ -144,11 +171,14 @@ def measure(
     n = max(1, round(4 * step_seconds / (time.perf_counter() - start)))
     step_fn = chain(n)
     params, h = jax.block_until_ready(step_fn(params, h))
+    # Every version differs from the last in every leaf, as after a train step (a plugin that
+    # skips unchanged leaves must still send them all).
+    bump = jax.jit(lambda p: [x + jnp.asarray(1, x.dtype) for x in p], donate_argnums=0)
     latencies = []
     version = 0
     for _ in range(repeats + 1):  # the first one warms up both sides
         version += 1
-        jax.block_until_ready(params)
+        params = jax.block_until_ready(bump(params))
         start = time.time()
         server.publish(publish_copy(params, params[0].dtype), weight_step=version)
         while True:
@@ -198,17 +228,20 @@ def main() -> None:
     import jax
 
     print(f"devices: {jax.devices()}  cores: {os.cpu_count()}")
-    header = (f"{'tree':<11} {'plugin':<13} {'GB':>5} {'memcpy GB/s':>11} {'publish->recv s':>15} "
-              f"{'GB/s':>6} {'of memcpy':>9} {'step ms':>8} {'+publish':>8} {'ratio':>6}")  # fmt: skip
+    header = (f"{'tree':<11} {'plugin':<13} {'GB':>5} {'memcpy GB/s':>11} {'tcp GB/s':>8} "
+              f"{'publish->recv s':>15} "
+              f"{'GB/s':>6} {'of memcpy':>9} {'of tcp':>6} {'step ms':>8} {'+publish':>8} {'ratio':>6}")  # fmt: skip
     print(header)
     for tree in args.trees.split(","):
         nbytes = sum(int(np.prod(s)) * np.dtype(d if d != "bfloat16" else "float16").itemsize
                      for s, d in tree_shapes(tree))  # fmt: skip
         memcpy = memcpy_gbps(nbytes, args.repeats + 1)
+        tcp = tcp_gbps(nbytes, args.repeats + 1)
         for plugin in args.plugins.split(","):
             r = measure(plugin, tree, args.repeats, args.steps, args.step_seconds)
-            print(f"{tree:<11} {plugin:<13} {r['nbytes'] / 1e9:>5.2f} {memcpy:>11.1f} "
+            print(f"{tree:<11} {plugin:<13} {r['nbytes'] / 1e9:>5.2f} {memcpy:>11.1f} {tcp:>8.1f} "
                   f"{r['latency_s']:>15.3f} {r['gbps']:>6.2f} {r['gbps'] / memcpy:>8.1%} "
+                  f"{r['gbps'] / tcp:>6.0%} "
                   f"{r['step_s'] * 1e3:>8.1f} {r['step_publish_s'] * 1e3:>8.1f} "
                   f"{r['step_publish_s'] / r['step_s']:>5.2f}x", flush=True)  # fmt: skip
 
