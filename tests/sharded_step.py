@@ -2,11 +2,14 @@
 tests/test_sharding.py, one process per device count (XLA fixes it when JAX starts).
 
     python tests/sharded_step.py DEVICES OUT.npz [--layout NAME=OVERRIDE,...] [--save DIR] [--load DIR]
+                                 [--group COORDINATOR,PROCESSES,PROCESS_ID]
 
 For each layout (a name and ``--set``-style overrides of ``[trainer]``), two RL steps on fixed
 batches from the same initial weights; OUT.npz holds each layout's losses, gradient norms and
 parameters after each step. ``--save DIR`` writes the first layout's checkpoint after step 1;
 ``--load DIR`` restores that checkpoint into this process's mesh and takes step 2 from it.
+``--group`` makes this process one of a trainer group (``jax.distributed`` on CPU with gloo):
+DEVICES simulated devices in each process, one mesh over all of them; process 0 writes OUT.npz.
 """
 
 from __future__ import annotations
@@ -23,9 +26,16 @@ def main() -> None:
     parser.add_argument("--layout", action="append", default=[])
     parser.add_argument("--save")
     parser.add_argument("--load")
+    parser.add_argument("--group", default="")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
+    from marin_rl_core.learner import multihost
+
+    if args.group:
+        coordinator, processes, process_id = args.group.split(",")
+        multihost.join(coordinator, int(processes), int(process_id), timeout_s=120)
+        args.devices *= int(processes)
 
     from types import SimpleNamespace
 
@@ -35,7 +45,7 @@ def main() -> None:
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
     from marin_rl_core.learner.checkpoint import save_checkpoint
-    from marin_rl_core.learner.step import Learner
+    from marin_rl_core.learner.step import Learner, plugin_loss_fn
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import initial_model
     from marin_rl_core.models.tokenizer import model_tokenizer
@@ -77,9 +87,8 @@ def main() -> None:
     def flat(model) -> list[np.ndarray]:  # type: ignore[no-untyped-def]
         import equinox as eqx
 
-        return [
-            np.asarray(jax.device_get(x)) for x in jax.tree.leaves(eqx.filter(model, eqx.is_array))
-        ]
+        # Gathered from every process of a group (all of them take part).
+        return jax.tree.leaves(multihost.host_copy(eqx.filter(model, eqx.is_array)))
 
     out: dict[str, np.ndarray] = {}
     layouts = [x.split("=", 1) for x in args.layout] or [["default", ""]]
@@ -96,7 +105,9 @@ def main() -> None:
         reference = learner.shard(
             jax.tree.map(lambda x: x.copy() if hasattr(x, "copy") else x, model)
         )
-        learner.set_loss(loss.build(reference).create_loss_fn(reference, model))
+        # As the trainer does: the reference model is an argument of the step, not a constant
+        # (a group cannot compile in arrays spread over other processes' devices).
+        learner.set_loss(plugin_loss_fn(loss.build(reference)), reference=reference)
         state = learner.init_state(model, key=jax.random.PRNGKey(1))
         out[f"{name}/sizes"] = np.asarray(
             [learner.sizes[k] for k in ("data_parallel", "fsdp", "tensor_parallel")]
@@ -140,7 +151,8 @@ def main() -> None:
                 if hasattr(x, "sharding")
             )
         )
-    np.savez(args.out, **out)
+    if multihost.is_leader():
+        np.savez(args.out, **out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The learner on a device mesh: 4 simulated CPU devices train exactly like 1, and a checkpoint
-saved on 4 devices resumes on 1 and on 2.
+saved on 4 devices resumes on 1 and on 2. A trainer group of 2 processes x 2 devices (one mesh
+over both, ``jax.distributed`` with gloo) trains exactly like 1 process x 4 devices, and its
+checkpoint resumes on 1 process.
 
 Each device count is its own process (``tests/sharded_step.py``): XLA fixes the number of
 simulated devices (``--xla_force_host_platform_device_count``) when JAX starts. Every layout
@@ -49,6 +51,72 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.nda
     one_resumed = _run(1, tmp / "one_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
     two_resumed = _run(2, tmp / "two_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
     return {"four": four, "one": one, "one_resumed": one_resumed, "two_resumed": two_resumed}
+
+
+def _run_group(processes: int, devices: int, out: Path, *args: str) -> dict[str, np.ndarray]:
+    """``sharded_step.py`` as a trainer group: ``processes`` processes of ``devices`` each."""
+    from marin_rl_core.testing import free_port
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(devices),
+                str(out),
+                *args,
+                "--group",
+                f"{coordinator},{processes},{i}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )  # fmt: skip
+        for i in range(processes)
+    ]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    for p, err in zip(procs, errors, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return dict(np.load(out))
+
+
+@pytest.fixture(scope="module")
+def group_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.ndarray]]:
+    tmp = tmp_path_factory.mktemp("group")
+    layouts = ["--layout=fsdp=", "--layout=tp=mesh.tensor_parallel=2"]
+    group = _run_group(2, 2, tmp / "group.npz", *layouts, "--save", str(tmp / "ckpt"))
+    four = _run(4, tmp / "four.npz", *layouts)
+    resumed = _run(1, tmp / "resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
+    return {"group": group, "four": four, "resumed": resumed}
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_a_trainer_group_of_two_processes_trains_like_one_process(group_runs, layout):
+    """2 processes x 2 devices, one mesh: the same losses, gradient norms and parameters after
+    each step as 1 process x 4 devices, with the parameters split over all four devices."""
+    group, four = group_runs["group"], group_runs["four"]
+    assert tuple(group[f"{layout}/sizes"]) == tuple(four[f"{layout}/sizes"])
+    assert int(group[f"{layout}/max_devices_per_leaf"]) == 4
+    assert bool(group[f"{layout}/same_layout"])
+    for step in (1, 2):
+        np.testing.assert_allclose(
+            group[f"{layout}/loss{step}"], four[f"{layout}/loss{step}"], rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            group[f"{layout}/grad_norm{step}"], four[f"{layout}/grad_norm{step}"], rtol=1e-5
+        )
+        _assert_same_params(_params(group, layout, step), _params(four, layout, step))
+
+
+def test_a_checkpoint_of_a_trainer_group_resumes_on_one_process(group_runs):
+    """Both processes write their shards of the step-1 checkpoint; one process alone reads it
+    back and takes the group's step 2."""
+    group, resumed = group_runs["group"], group_runs["resumed"]
+    np.testing.assert_allclose(resumed["fsdp/loss2"], group["fsdp/loss2"], rtol=1e-5)
+    _assert_same_params(_params(resumed, "fsdp", 2), _params(group, "fsdp", 2))
 
 
 def _params(run: dict[str, np.ndarray], layout: str, step: int) -> list[np.ndarray]:

@@ -95,24 +95,33 @@ def save_checkpoint(
     ``files`` by name) and keep the newest ``keep`` of them. Returns its directory."""
     import levanter.checkpoint
 
+    from marin_rl_core.learner.multihost import barrier, is_leader
+
     root = _root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
     # On a bucket a rename copies every object: write in place, state.json last (a checkpoint
     # without it is not complete, and a half-written one of the same step is cleared first).
     remote = is_remote(root)
     tmp = final if remote else root / f".step-{step:06d}.tmp"
-    remove_tree(tmp)
+    # In a trainer group every process writes its own shards; process 0 alone prepares the
+    # directory and completes the checkpoint, between barriers.
+    if is_leader():
+        root.mkdir(parents=True, exist_ok=True)
+        remove_tree(tmp)
+    barrier(f"marinrl-checkpoint-{step}-begin")
     levanter.checkpoint.save_checkpoint(trainer_state, step, str(tmp), is_temporary=False)
-    for name, data in (files or {}).items():
-        (tmp / name).write_bytes(data)
-    (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(state or {})}, indent=2))
-    if not remote:
-        remove_tree(final)
-        os.replace(tmp, final)
-    write_text(root / "latest", final.name)
-    for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-keep]:
-        remove_tree(old)
+    barrier(f"marinrl-checkpoint-{step}-written")
+    if is_leader():
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **(state or {})}, indent=2))
+        if not remote:
+            remove_tree(final)
+            os.replace(tmp, final)
+        write_text(root / "latest", final.name)
+        for old in sorted(root.glob("step-*"), key=lambda p: p.name)[:-keep]:
+            remove_tree(old)
+    barrier(f"marinrl-checkpoint-{step}-done")
     return final
 
 

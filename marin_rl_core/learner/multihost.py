@@ -1,0 +1,90 @@
+"""One trainer over several processes (hosts): joining them with ``jax.distributed``, and the few
+collective steps the trainer takes together beside the train step itself.
+
+Every process of a trainer group runs the same JAX program over one mesh of all their devices
+(levanter builds it from ``jax.devices()``, which then lists every process's devices). Process 0
+leads: it alone writes files (a checkpoint's ``state.json``, metrics) and serves weights; the
+others take each collective step with it. With one process every function here is the
+single-process behaviour (no barrier, nothing gathered).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+JOIN_TIMEOUT_S = 300
+
+
+def join(coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = JOIN_TIMEOUT_S):
+    """Join this process to a trainer group of ``num_processes`` (``jax.distributed``, process
+    ``process_id``; ``coordinator`` is ``host:port`` of process 0, which serves it). Must run
+    before anything else touches JAX's devices. On CPU the processes reduce with gloo.
+
+    Raises:
+        TimeoutError: the other processes did not join within ``timeout_s`` (the message names
+            the coordinator and how many were expected).
+    """
+    import jax
+
+    # Collectives between CPU devices of several processes (only the CPU backend reads it).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=timeout_s,
+        )
+    except Exception as exc:  # jax raises a bare XlaRuntimeError (DEADLINE_EXCEEDED, ...)
+        raise TimeoutError(
+            f"trainer process {process_id} of {num_processes} could not join the group at "
+            f"{coordinator} within {timeout_s} s: {str(exc).strip().splitlines()[0][:300]}"
+        ) from exc
+    logger.info(
+        "trainer process %d of %d joined at %s: %d local of %d devices",
+        process_id, num_processes, coordinator, jax.local_device_count(), jax.device_count(),
+    )  # fmt: skip
+
+
+def process_count() -> int:
+    import jax
+
+    return jax.process_count()
+
+
+def is_leader() -> bool:
+    """Whether this process leads its group (process 0; always, alone)."""
+    import jax
+
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of the group reaches the barrier ``name`` (no-op alone)."""
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def host_copy(tree: Any) -> Any:
+    """``tree`` with every ``jax.Array`` as a whole numpy array on this host. An array spread over
+    other processes' devices is gathered, which every process of the group must do together."""
+    import jax
+    import numpy as np
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array):
+            return x
+        if x.is_fully_addressable:
+            return np.asarray(jax.device_get(x))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+    return jax.tree.map(one, tree)
