@@ -23,9 +23,13 @@ def join(coordinator: str, num_processes: int, process_id: int, *, timeout_s: in
     ``process_id``; ``coordinator`` is ``host:port`` of process 0, which serves it). Must run
     before anything else touches JAX's devices. On CPU the processes reduce with gloo.
 
+    Failure (checked with jax 0.10.2): when the others do not join within ``timeout_s``, JAX's
+    coordination client ABORTS the process (SIGABRT, exit 134: "DEADLINE_EXCEEDED ...
+    RegisterTask") rather than raising; so does a process of a group whose peer dies later.
+    Whoever starts the group must watch its processes and turn that exit into its own message.
+
     Raises:
-        TimeoutError: the other processes did not join within ``timeout_s`` (the message names
-            the coordinator and how many were expected).
+        TimeoutError: for a failure JAX does raise, naming the coordinator and the group size.
     """
     import jax
 
@@ -47,12 +51,6 @@ def join(coordinator: str, num_processes: int, process_id: int, *, timeout_s: in
         "trainer process %d of %d joined at %s: %d local of %d devices",
         process_id, num_processes, coordinator, jax.local_device_count(), jax.device_count(),
     )  # fmt: skip
-
-
-def process_count() -> int:
-    import jax
-
-    return jax.process_count()
 
 
 def is_leader() -> bool:

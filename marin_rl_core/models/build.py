@@ -6,7 +6,6 @@ load/save. Log-probabilities are in :mod:`marin_rl_core.models.logprobs`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -162,11 +161,6 @@ def cast_floating(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(cast, tree)
 
 
-@functools.lru_cache(maxsize=8)
-def _jitted_cast(dtype: Any) -> Any:
-    return jax.jit(lambda x: x.astype(dtype))
-
-
 def publish_copy(tree: Any, dtype: Any) -> Any:
     """A copy of ``tree`` with its floating-point arrays in ``dtype``, in buffers of its own:
     nothing done to ``tree`` afterwards (a train step donating it) changes or frees the copy.
@@ -178,7 +172,7 @@ def publish_copy(tree: Any, dtype: Any) -> Any:
         if not isinstance(x, jax.Array):
             return x
         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
-            return _jitted_cast(dtype)(x)  # a new buffer
+            return x.astype(dtype)  # a new buffer
         return jax.device_put(x, may_alias=False)
 
     return jax.tree.map(copy, tree)
