@@ -57,3 +57,22 @@ def write_samples(path: Path, rollouts: Sequence[Rollout], *, step: int, tokeniz
                 "timestamp": meta.timestamp if meta else None,
             }
             f.write(json.dumps(row) + "\n")
+
+
+def zero_variance_fraction(rollouts: list[Rollout]) -> float:
+    """Fraction of groups (samples of one problem from one batch) whose rewards are all equal:
+    they carry no RLOO gradient. A rising value warns of a policy going deterministic."""
+    groups: dict[tuple[Any, ...], list[float]] = {}
+    for r in rollouts:
+        meta = r.metadata
+        key = (
+            r.lesson_id,
+            r.problem_id,
+            meta.worker_id if meta else "",
+            meta.timestamp if meta else 0,
+        )
+        groups.setdefault(key, []).append(r.reward)
+    sized = [g for g in groups.values() if len(g) > 1]
+    if not sized:
+        return 0.0
+    return float(np.mean([max(g) == min(g) for g in sized]))

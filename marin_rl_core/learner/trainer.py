@@ -40,6 +40,7 @@ from marin_rl_core.learner.checkpoint import (
     read_state,
     save_checkpoint,
 )
+from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
 from marin_rl_core.learner.loss import (
     TrainedModel,
     batch_options,
@@ -48,7 +49,7 @@ from marin_rl_core.learner.loss import (
     with_loss_state,
 )
 from marin_rl_core.learner.optimizer import make_schedule
-from marin_rl_core.learner.samples import write_samples
+from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
 from marin_rl_core.learner.step import (
     Learner,
     all_finite,
@@ -78,25 +79,6 @@ def _timed(fn: Callable[[], Any]) -> float:
     start = time.monotonic()
     fn()
     return time.monotonic() - start
-
-
-def zero_variance_fraction(rollouts: list[Rollout]) -> float:
-    """Fraction of groups (samples of one problem from one batch) whose rewards are all equal:
-    they carry no RLOO gradient. A rising value warns of a policy going deterministic."""
-    groups: dict[tuple[Any, ...], list[float]] = {}
-    for r in rollouts:
-        meta = r.metadata
-        key = (
-            r.lesson_id,
-            r.problem_id,
-            meta.worker_id if meta else "",
-            meta.timestamp if meta else 0,
-        )
-        groups.setdefault(key, []).append(r.reward)
-    sized = [g for g in groups.values() if len(g) > 1]
-    if not sized:
-        return 0.0
-    return float(np.mean([max(g) == min(g) for g in sized]))
 
 
 class Trainer:
@@ -146,6 +128,7 @@ class Trainer:
         self._log = log or (lambda metrics, *, step, source: None)
         self._curriculum_state = curriculum_state or dict
         self._stop = threading.Event()
+        self.group = GroupChannel()  # a trainer group: see learner/group.py
         self.tokenizer = model_tokenizer(config.model)
 
         model = initial_model(config, self.tokenizer)
@@ -231,7 +214,8 @@ class Trainer:
         )
         # Samples of steps after the checkpoint (written by a run that died) give way to the
         # steps trained again, as their metric rows do.
-        drop_rows_after(self._samples, self.step)
+        if self.group.leads:
+            drop_rows_after(self._samples, self.step)
         self.replay.set_current_step(self.step)
         self.last_checkpoint_step: int | None = self.step if checkpoint is not None else None
         self._published_step: int | None = None
@@ -330,16 +314,19 @@ class Trainer:
         gets a copy of its own, made on the device asynchronously, and serves it in the
         background: the next train step (which donates the state) neither waits for the
         transfer nor can change what is served."""
-        if self.weight_server is not None and self._published_step != self.step:
-            # In the rollout engines' dtype: what they sample with, and half the bytes for bf16.
+        serves = self.weight_server is not None or not self.group.leads  # followers gather
+        if self._published_step != self.step and serves:
+            from marin_rl_core.learner.group import gathered_for_serving
             from marin_rl_core.models.build import publish_copy
 
             self._enter("publishing weights")
-            self.weight_server.publish(
-                publish_copy(self.model, self.config.model.resolved_inference_dtype),
-                weight_step=self.step,
-            )
+            self.group.send(PUBLISH, self.step)  # a group gathers the weights on its leader
+            dtype = self.config.model.resolved_inference_dtype  # the engines': half for bf16
+            weights = gathered_for_serving(publish_copy(self.model, dtype))
+            if self.weight_server is not None:
+                self.weight_server.publish(weights, weight_step=self.step)
             self._published_step = self.step
+            self.group.done()
 
     def _kept(self) -> str:
         if self.last_checkpoint_step is None:
@@ -358,6 +345,7 @@ class Trainer:
                 loss was still finite can do that): the last good checkpoint stays the newest.
         """
         self._enter("writing a checkpoint")
+        self.group.send(CHECKPOINT, self.step)  # every process of a group writes its shards
         if not all_finite(self.state.model):
             raise TrainingDivergedError(
                 f"training diverged at step {self.step}: the parameters are no longer finite. "
@@ -383,6 +371,7 @@ class Trainer:
             self.reader.checkpointed(position)  # storage may now forget those batches
         upload_now()  # a run directory on a bucket: samples and log as far as the checkpoint
         self._on_checkpoint(self.step)
+        self.group.done()
         return path
 
     # --- the loop -----------------------------------------------------------------------------
@@ -457,7 +446,7 @@ class Trainer:
         ``trim_rows`` off, of every batch; packed batches vary in rows, so they get none. A
         first batch of other shapes traces its own step as before: what the warm-up made goes
         unused, and no XLA compile is wasted on it (see :meth:`Learner.warm_up`)."""
-        if self.config.trainer.pack_rollouts:
+        if self.config.trainer.pack_rollouts or self.group.grouped:  # a group places collectively
             return None
         batch = self._training_batch([], np.zeros(0, np.float32))
         state = self.state
@@ -497,6 +486,7 @@ class Trainer:
         """One trainer step on ``rollouts``: one optimizer update, or the loss's epochs over its
         minibatches (:class:`~marin_rl_core.protocols.UpdatePlan`), after the loss's
         preparation. Returns the step's metrics (host floats; the means over its updates)."""
+        self.group.send(STEP, self.step, rollouts, advantages)  # the same step on every process
         batches = self._minibatches(rollouts, advantages)
         start = self._enter("in a training step")
         batches = self.learner.prepare(self.state, batches)
@@ -527,15 +517,35 @@ class Trainer:
         }  # fmt: skip
         metrics = {name: combine[metric_reduction(name)](v) for name, v in totals.items()}
         metrics["step_seconds"] = time.monotonic() - start
-        self.state = state
-        self.step += 1
+        self.state, self.step = state, self.step + 1
+        self.group.done()
         return metrics
 
     def run(self) -> int:
         """Train until ``num_train_steps`` or a stop request; returns the step reached.
 
         A checkpoint is written at the end either way; weights of the final step are published.
+        In a trainer group the leader runs this and stops its followers (:meth:`follow`) after.
         """
+        try:
+            return self._run()
+        finally:
+            if self.group.pending is None:  # (a failed collective step failed them alike)
+                self.group.send(STOP, self.step)
+
+    def follow(self) -> int:
+        """A follower of a trainer group: take each collective operation its leader commands
+        (:mod:`~marin_rl_core.learner.group`) until it stops; returns the step reached."""
+        while True:
+            op, rollouts, advantages = self.group.receive(self.step)
+            if op == STOP:
+                return self.step
+            if op == STEP:
+                self.train_one_step(rollouts, advantages)
+            else:
+                {PUBLISH: self.publish, CHECKPOINT: self.checkpoint}[op]()
+
+    def _run(self) -> int:
         total = self.config.trainer.num_train_steps
         t = self.config.trainer
         self.publish()

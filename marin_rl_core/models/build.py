@@ -173,7 +173,7 @@ def publish_copy(tree: Any, dtype: Any) -> Any:
             return x
         if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
             return x.astype(dtype)  # a new buffer
-        return jax.device_put(x, may_alias=False)
+        return jax.device_put(x, x.sharding, may_alias=False)
 
     return jax.tree.map(copy, tree)
 

@@ -1,0 +1,142 @@
+"""A trainer group: 2 processes x 2 simulated CPU devices (``jax.distributed`` on 127.0.0.1,
+gloo collectives) run the whole trainer loop as one trainer over 4 devices, with the leader
+reading rollouts, publishing and checkpointing and the other process following it
+(``tests/group_trainer.py``). It trains exactly like 1 process x 4 devices, serves the weights
+it trained, and its checkpoint resumes on one process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from marin_rl_core.testing import free_port
+
+SCRIPT = Path(__file__).with_name("group_trainer.py")
+STEPS = 3
+
+
+def _env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+
+
+def _write_rollouts(directory: Path) -> None:
+    """Ten batches of two groups of two rollouts with different rewards (mock env tokens)."""
+    from marin_rl_core import build_registry
+    from marin_rl_core.config import resolve_config
+    from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata, RunInfo
+
+    registry = build_registry()
+    config = resolve_config(
+        registry, selections={"env": "mock", "storage": "gcs"},
+        overrides=[f'storage.url="{directory}"'],
+    )  # fmt: skip
+    storage = registry.get("storage", "gcs").build(
+        config.storage.config, RunInfo(run_id="r", run_dir=str(directory))
+    )
+    writer = storage.writer(name="rollout-0")
+    rng = np.random.default_rng(0)
+    for index in range(10):
+        groups = [
+            RolloutGroup(
+                rollouts=[
+                    Rollout.single_turn(
+                        env_name="mock",
+                        lesson_id=config.curriculum.lessons[0].id,
+                        problem_id=f"{index}/{g}",
+                        prompt_tokens=rng.integers(3, 60, size=4).astype(np.int32),
+                        response_tokens=rng.integers(3, 60, size=3).astype(np.int32),
+                        response_logprobs=-rng.uniform(2.0, 4.0, size=3).astype(np.float32),
+                        reward=float(k),
+                        metadata=RolloutMetadata(
+                            worker_id="w",
+                            timestamp=time.time(),
+                            weight_step=0,
+                            worker_index=0,
+                            batch_index=index,
+                        ),
+                    )  # fmt: skip
+                    for k in range(2)
+                ]
+            )
+            for g in range(2)
+        ]
+        writer.write_batch(RolloutBatch(groups=groups), timeout=30)
+
+
+def _run(devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, group: int = 0):
+    if not group:
+        proc = subprocess.run(
+            [sys.executable, str(SCRIPT), str(devices), str(run_dir), str(rollouts), str(steps),
+             str(out)],
+            capture_output=True, text=True, env=_env(), timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(out.read_text())
+    coordinator = f"127.0.0.1:{free_port()}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                str(SCRIPT),
+                str(devices),
+                str(run_dir),
+                str(rollouts),
+                str(steps),
+                str(out),
+                "--group",
+                f"{coordinator},{group},{i}",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )  # fmt: skip
+        for i in range(group)
+    ]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
+    for p, err in zip(procs, errors, strict=True):
+        assert p.returncode == 0, err[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    tmp = tmp_path_factory.mktemp("trainer-group")
+    for name in ("group", "single"):
+        _write_rollouts(tmp / f"rollouts-{name}")
+    group = _run(2, tmp / "run-group", tmp / "rollouts-group", STEPS, tmp / "group.json", group=2)
+    single = _run(4, tmp / "run-single", tmp / "rollouts-single", STEPS, tmp / "single.json")
+    resumed = _run(1, tmp / "run-group", tmp / "rollouts-group", STEPS + 1, tmp / "resumed.json")
+    return {"group": group, "single": single, "resumed": resumed}
+
+
+def test_a_trainer_group_runs_the_trainer_loop_like_one_process(runs):
+    group, single = runs["group"], runs["single"]
+    assert (group["processes"], group["devices"]) == (2, 4)
+    assert (single["processes"], single["devices"]) == (1, 4)
+    assert group["step"] == single["step"] == STEPS
+    assert sorted(group["losses"]) == [str(s) for s in range(1, STEPS + 1)]
+    for step, loss in single["losses"].items():
+        np.testing.assert_allclose(group["losses"][step], loss, rtol=1e-5)
+    np.testing.assert_allclose(group["params"], single["params"], rtol=1e-5)
+
+
+def test_the_leader_serves_the_weights_the_group_trained(runs):
+    group = runs["group"]
+    assert group["received_step"] == STEPS
+    np.testing.assert_allclose(group["received"], group["params"], rtol=1e-3)
+
+
+def test_the_checkpoint_of_a_trainer_group_resumes_on_one_process(runs):
+    resumed = runs["resumed"]
+    assert (resumed["processes"], resumed["devices"]) == (1, 1)
+    assert resumed["started"] == STEPS and resumed["step"] == STEPS + 1
+    assert sorted(resumed["losses"]) == [str(STEPS + 1)]
+    assert np.isfinite(resumed["losses"][str(STEPS + 1)])
