@@ -273,7 +273,9 @@ class WeightTransferServer(Protocol):
 
         ``model`` is the server's own: the trainer hands over a fresh copy (in the inference
         dtype) that no train step donates or writes, so the server may keep it and read it
-        later, zero-copy. Preparing it (a host copy, serialization) happens in the background;
+        later, zero-copy. A trainer over several hosts (``resources.trainer_hosts``) hands its
+        process 0's server the model gathered from every host into host memory (numpy
+        leaves). Preparing it (a host copy, serialization) happens in the background;
         until it is ready clients keep receiving the previous version, and a client receives
         all of one version or an error, never a mix."""
         ...

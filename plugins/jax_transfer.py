@@ -122,10 +122,13 @@ class JaxTransferServer:
         step = int(weight_step)
         leaves, _, index, paths = array_leaves(model)
         # jax's transfer needs one layout on both ends: each leaf is offered whole on this
-        # process's first device (a device-to-device gather, dispatched asynchronously).
+        # process's first device (a device-to-device gather, dispatched asynchronously; the
+        # host arrays a trainer over several hosts gathers are put there).
         whole = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         arrays = [
-            leaves[i] if leaves[i].sharding == whole else jax.device_put(leaves[i], whole)
+            leaves[i]
+            if getattr(leaves[i], "sharding", None) == whole
+            else jax.device_put(leaves[i], whole)
             for i in index
         ]
         if self._transfer is None:

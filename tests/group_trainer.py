@@ -31,7 +31,9 @@ def main() -> None:
     args = parser.parse_args()
     import faulthandler
 
-    faulthandler.dump_traceback_later(int(os.environ.get("GROUP_TRAINER_HANG_S", "240")), exit=True)  # a hang shows where, then exits
+    faulthandler.dump_traceback_later(
+        int(os.environ.get("GROUP_TRAINER_HANG_S", "240")), exit=True
+    )  # a hang shows where, then exits
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from marin_rl_core.learner import multihost

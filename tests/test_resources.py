@@ -65,6 +65,22 @@ def test_requests_that_fit_one_by_one_but_not_together_are_refused():
         check_resources(config, [CPU_NODE, GPU_NODE])
 
 
+def test_a_trainer_over_more_hosts_than_the_cluster_can_hold_is_refused():
+    """``resources.trainer`` is what each of the trainer's hosts asks for."""
+    config = config_with("resources.trainer_hosts=3", "resources.trainer.num_gpus=1")
+    with pytest.raises(ResourcesUnavailableError) as info:
+        check_resources(config, [CPU_NODE, GPU_NODE])
+    assert "together the trainer hosts (3) and 1 rollout worker(s) ask for 3 GPU" in str(info.value)
+    check_resources(
+        config_with("resources.trainer_hosts=2", "resources.trainer.num_gpus=1"),
+        [CPU_NODE, GPU_NODE],
+    )
+    with pytest.raises(ResourcesUnavailableError) as info:
+        check_resources(config_with("resources.trainer_hosts=2", "resources.trainer.num_gpus=3"),
+                        [CPU_NODE, GPU_NODE])  # fmt: skip
+    assert "each of the trainer's 2 hosts asks for 3 GPU" in str(info.value)
+
+
 def test_no_single_node_big_enough_is_refused_even_when_the_total_is():
     config = config_with("resources.trainer.num_cpus=9")
     with pytest.raises(ResourcesUnavailableError, match="no node has that"):

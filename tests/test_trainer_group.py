@@ -140,3 +140,59 @@ def test_the_checkpoint_of_a_trainer_group_resumes_on_one_process(runs):
     assert resumed["started"] == STEPS and resumed["step"] == STEPS + 1
     assert sorted(resumed["losses"]) == [str(STEPS + 1)]
     assert np.isfinite(resumed["losses"][str(STEPS + 1)])
+
+
+def test_a_job_whose_trainer_spans_two_hosts_stops_on_a_dead_host_and_resumes(
+    tmp_path, tiny_mock_job, monkeypatch
+):
+    """``marinrl run`` with ``resources.trainer_hosts=2`` (2 simulated devices per process, Ray
+    places both): the trainer spans 4 devices. SIGKILL host 1: the job stops with WORKER_LOST
+    naming it; ``--resume`` goes on on both hosts, SIGTERM ends it with a final checkpoint
+    written by both; a resume on one host finishes the run with every step logged once."""
+    import signal
+
+    from test_faults import _pid, _start_job, _train_steps, _wait_for
+
+    from marin_rl_core.errors import ExitCode
+    from marin_rl_core.learner.checkpoint import latest_checkpoint
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    run_dir = tmp_path / "hosts"
+    job = [*tiny_mock_job, "--set", "resources.trainer_hosts=2",
+           "--set", "trainer.checkpoint_interval_steps=2"]  # fmt: skip
+    proc = _start_job(tmp_path, "hosts", job, "--set", "trainer.num_train_steps=1000")
+    _wait_for(proc, "a checkpoint", lambda: (run_dir / "checkpoints" / "latest").exists())
+    _wait_for(proc, "step 3", lambda: len(_train_steps(run_dir)) >= 3)
+    assert "over 4 device(s)" in (run_dir / "logs" / "trainer.log").read_text()
+    host = _pid(run_dir / "logs" / "trainer-1.log", "trainer host 1 of 2: process")
+    assert host is not None
+    os.kill(host, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == ExitCode.WORKER_LOST, stderr[-3000:]
+    assert "trainer host 1 of 2 died" in stderr and "Traceback" not in stderr
+    assert f"marinrl run --resume {run_dir}" in stderr
+    kept = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())["step"]
+    assert kept >= 2
+
+    # Resumed on both hosts; SIGTERM once it trained past where the killed run got.
+    before = max(_train_steps(run_dir))
+    resumed = subprocess.Popen(
+        [sys.executable, "-m", "marin_rl_core", "run", "--resume", str(run_dir)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    _wait_for(resumed, "a step past the killed run's", lambda: max(_train_steps(run_dir)) > before)
+    resumed.send_signal(signal.SIGTERM)
+    _, stderr = resumed.communicate(timeout=300)
+    assert resumed.returncode == ExitCode.INTERRUPTED, stderr[-3000:]
+    final = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())["step"]
+    assert final == max(_train_steps(run_dir)) > before, "the stop's own checkpoint"
+    assert "trainer host stopped at step" in (run_dir / "logs" / "trainer-1.log").read_text()
+
+    # On one host (its 2 devices) to the end.
+    done = subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", "run", "--resume", str(run_dir),
+         "--set", "resources.trainer_hosts=1", "--set", f"trainer.num_train_steps={final + 1}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _train_steps(run_dir) == list(range(1, final + 2))

@@ -326,11 +326,17 @@ class ResourcesConfig:
     actor starts, naming what was asked and what the cluster has.
 
     Args:
-        trainer: the trainer actor's resources (the learner's devices).
+        trainer: the trainer actor's resources (the learner's devices); with several
+            ``trainer_hosts``, those of each of its processes.
+        trainer_hosts: processes of the trainer, one per host (a TPU slice's hosts, GPU
+            nodes): more than one joins them with ``jax.distributed`` into one trainer whose
+            mesh spans all their devices, placed together by a Ray placement group
+            (docs/scaling.md).
         rollout: each rollout worker's resources (its inference engine's devices).
     """
 
     trainer: RoleResources = RoleResources()
+    trainer_hosts: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     rollout: RoleResources = RoleResources()
 
 

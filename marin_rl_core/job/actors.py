@@ -155,7 +155,8 @@ class _SetUpError:
     """A :class:`MarinRLError` raised while an actor sets up (a trainer mesh that does not fit
     its devices, say) is kept and re-raised by its next method call: Ray reports an exception of
     an actor's ``__init__`` only as ``ActorDiedError``, without the exception itself, so the
-    message and exit code would be lost."""
+    message and exit code would be lost. Any other exception kills the actor (a rollout worker is
+    then restarted); its traceback goes to the actor's log first."""
 
     _setup_error: MarinRLError | None = None
 
@@ -165,6 +166,9 @@ class _SetUpError:
         except MarinRLError as exc:
             logging.getLogger(__name__).exception("set-up failed")
             self._setup_error = exc
+        except Exception:
+            logging.getLogger(__name__).exception("set-up failed")
+            raise
 
     def _check(self) -> None:
         if self._setup_error is not None:
@@ -196,14 +200,34 @@ def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
 class TrainerService(_SetUpError):
     """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up.
 
-    Like :class:`RolloutService` it finds the job's curriculum and metrics hub by their names."""
+    Like :class:`RolloutService` it finds the job's curriculum and metrics hub by their names.
+    ``group`` (``(coordinator, hosts)``): it is process 0 of a trainer over several hosts, whose
+    others follow it (:mod:`marin_rl_core.job.trainer_group`)."""
 
-    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
+    def __init__(
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        curriculum: str,
+        hub: str,
+        group: tuple[str, int] | None = None,
+    ):
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub, group))
 
-    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
+    def _build(
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        curriculum_name: str,
+        hub_name: str,
+        group: tuple[str, int] | None,
+    ) -> None:
         _worker_logging(wc.run_dir, "trainer")
         logger.info("trainer process %d", os.getpid())
+        if group is not None:  # before anything touches the devices
+            from marin_rl_core.learner import multihost
+
+            multihost.join(group[0], group[1], 0)
         curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
         import ray
 

@@ -47,8 +47,14 @@ def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
                 and name != "object_store_memory"
             ):
                 cluster[name] = cluster.get(name, 0.0) + amount
+    hosts = config.resources.trainer_hosts
     roles = [
-        ("trainer", "resources.trainer", config.resources.trainer.requested(), 1),
+        (
+            "the trainer" if hosts == 1 else f"each of the trainer's {hosts} hosts",
+            "resources.trainer",
+            config.resources.trainer.requested(),
+            hosts,
+        ),
         (
             "each rollout worker",
             "resources.rollout",
@@ -64,12 +70,13 @@ def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
             all(node.get(k, 0.0) >= v for k, v in asked.items()) for node in nodes
         ):
             problems.append(
-                f"the {role} asks for {_format_resources(asked)} ($.{path}), and no node has that"
+                f"{role} asks for {_format_resources(asked)} ($.{path}), and no node has that"
             )
     short = {k: v for k, v in total.items() if cluster.get(k, 0.0) < v}
     if short and not problems:
         problems.append(
-            f"together the trainer and {config.num_rollout_workers} rollout worker(s) ask for "
+            f"together {'the trainer' if hosts == 1 else f'the trainer hosts ({hosts})'} and "
+            f"{config.num_rollout_workers} rollout worker(s) ask for "
             f"{_format_resources(short)}"
         )
     if problems:
@@ -78,9 +85,9 @@ def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
             + "; ".join(problems)
             + f". The cluster has {_format_resources(cluster)}"
             + (f" on {len(nodes)} nodes" if len(nodes) > 1 else "")
-            + ". Lower those [resources] values (or num_rollout_workers), or run on a cluster "
-            "that has them (--ray-address; `ray start --num-gpus N --resources '{\"TPU\": 4}'` "
-            "adds a node's resources)."
+            + ". Lower those [resources] values (or num_rollout_workers, "
+            "resources.trainer_hosts), or run on a cluster that has them (--ray-address; "
+            "`ray start --num-gpus N --resources '{\"TPU\": 4}'` adds a node's resources)."
         )
 
 

@@ -44,12 +44,10 @@ from marin_rl_core.errors import (
     ClusterError,
     ConfigError,
     MarinRLError,
-    WorkerLostError,
 )
 from marin_rl_core.job.actors import (
     CurriculumService,
     RolloutService,
-    TrainerService,
     WorkerConfig,
     attach_log_file,
 )
@@ -64,6 +62,7 @@ from marin_rl_core.job.checks import (
     run_dir_error,
 )
 from marin_rl_core.job.local_ray import handle_sigterm, lean_loopback_head, no_token_auth_notice
+from marin_rl_core.job.trainer_group import start_trainer, wait_until_ready
 from marin_rl_core.job.watch import Watch
 from marin_rl_core.registry import Registry
 from marin_rl_core.rundir import (
@@ -357,6 +356,7 @@ class RLJob:
         trainer_wc, rollout_wcs = self.to_worker_configs()
         faults = config.faults
         actors: list[Any] = []
+        placed = None  # the trainer hosts' placement group
         from marin_rl_core.types import RunInfo
 
         storage = self.registry.get("storage", config.storage.name).build(
@@ -369,12 +369,11 @@ class RLJob:
             # node has CPUs as soon as the driver connects, and the first actors created get
             # them (~0.5 s sooner than a new process on a 2-core machine). The hub and the
             # curriculum follow; the workers find them by name.
-            trainer = (
-                ray.remote(TrainerService)
-                .options(**config.resources.trainer.ray_options(), max_concurrency=4)
-                .remote(trainer_wc, storage, names["curriculum"], names["hub"])
+            # (A trainer over several hosts: one actor per host, placed together.)
+            trainer, followers, placed = start_trainer(
+                config, trainer_wc, storage, names["curriculum"], names["hub"]
             )
-            actors.append(trainer)
+            actors += [trainer, *followers]
             # The rollout workers set up (model, sampler, envs) while the trainer does; they
             # connect to its weight server when they are handed their run.
             rollouts = [
@@ -400,13 +399,7 @@ class RLJob:
                 .remote(trainer_wc)
             )
             actors += [hub, curriculum]
-            try:
-                info = ray.get(trainer.ready.remote())
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerLostError(
-                    f"the trainer process died while setting up ({first_line(exc)}); see "
-                    f"{self.local_dir / 'logs' / 'trainer.log'}"
-                ) from exc
+            info = wait_until_ready([trainer, *followers], self.local_dir / "logs")
             for warning in info["warnings"]:
                 logger.warning("%s", warning)
                 print(f"warning: {warning}", file=sys.stderr)
@@ -430,6 +423,7 @@ class RLJob:
                     dropped,
                 )
             watch = Watch(self, trainer, rollouts, hub, start_step, info["address"], positions)
+            watch.follow_hosts(followers)
             interrupted = False
             try:
                 final_step = watch.run(progress)
@@ -445,11 +439,16 @@ class RLJob:
             final_eval: dict[str, Any] = {}
             if not interrupted:
                 final_eval = watch.final_eval(final_step)
-            ray.get(trainer.close.remote(), timeout=faults.stop_timeout_s)
+            for actor in [trainer, *followers]:
+                ray.get(actor.close.remote(), timeout=faults.stop_timeout_s)
             ray.get(hub.close.remote(), timeout=faults.stop_timeout_s)
         finally:
             for actor in actors:
                 ray.kill(actor)
+            if placed is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(placed)
             try:
                 storage.close()
             except Exception:  # noqa: BLE001 - e.g. the queue actor already gone with Ray

@@ -61,6 +61,13 @@ class Watch:
         # every logging.log_every steps, and a slow real-model step times log_every can exceed
         # faults.stall_timeout_s in a healthy job.
         self.step_ref: Any = trainer.step.remote()
+        self.host_runs: dict[int, Any] = {}  # trainer host -> its follower's run
+        self.host_lost = False
+
+    def follow_hosts(self, followers: list[Any]) -> None:
+        """Start the other hosts of a trainer group (``followers``: hosts 1, 2, ...) following
+        process 0, and watch them: one that dies stops the job."""
+        self.host_runs = {i: f.run.remote() for i, f in enumerate(followers, start=1)}
 
     def _trainer_step(self) -> int | None:
         """The trainer's step if its last answer has come (then asks again), else ``None``."""
@@ -94,7 +101,7 @@ class Watch:
         last_progress = next_look = time.monotonic()
         try:
             while True:
-                refs = [self.train_run, *self.runs.values()]
+                refs = [self.train_run, *self.runs.values(), *self.host_runs.values()]
                 done, _ = ray.wait(refs, num_returns=1, timeout=1.0)
                 latest = ray.get(self.hub.latest.remote(), timeout=60)
                 if "write_error" in latest:  # metrics.jsonl cannot be written: stop, with why
@@ -114,6 +121,10 @@ class Watch:
                         final = self._trainer_result()
                         bar.update(max(0, final - bar.n))
                         return final
+                    host = next((i for i, r in self.host_runs.items() if r is ref), None)
+                    if host is not None:
+                        self._host_ended(host)
+                        continue
                     self._rollout_ended(next(i for i, r in self.runs.items() if r is ref))
                 self._check_processes()
                 self._hand_out_restarts()
@@ -127,12 +138,39 @@ class Watch:
         finally:
             bar.close()
 
+    def _host_ended(self, host: int) -> None:
+        """Trainer host ``host``'s run ended: after process 0 stopped it (fine), with the error
+        process 0 meets too, or with its process dead, which leaves the group unable to step."""
+        import ray
+
+        ref = self.host_runs.pop(host)
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            self.host_lost = True
+            hosts = self.job.config.resources.trainer_hosts
+            raise WorkerLostError(
+                f"trainer host {host} of {hosts} died at step {self.step} ({first_line(exc)}); "
+                "the trainer cannot step without its shards, so the job stops (no final "
+                f"checkpoint). Its last checkpoint is kept; resume with "
+                f"`{self.job.resume_command()}` (on as many hosts, or another number: "
+                f"--set resources.trainer_hosts=N). Its log: "
+                f"{self.job.local_dir / 'logs' / f'trainer-{host}.log'}"
+            ) from None
+
     def _trainer_result(self) -> int:
         import ray
 
         try:
             return int(ray.get(self.train_run))
-        except ray.exceptions.RayActorError as exc:
+        except Exception as exc:
+            # Process 0 fails when another host of its group dies: name the host that died.
+            if self.host_runs:
+                done, _ = ray.wait(list(self.host_runs.values()), num_returns=1, timeout=10)
+                for ref in done:
+                    self._host_ended(next(i for i, r in self.host_runs.items() if r is ref))
+            if not isinstance(exc, ray.exceptions.RayActorError):
+                raise
             raise WorkerLostError(
                 f"the trainer process died at step {self.step} ({first_line(exc)}). Its last "
                 f"checkpoint is kept; resume with `{self.job.resume_command()}`. Its log: "
@@ -386,6 +424,8 @@ class Watch:
         import ray
 
         timeout = self.faults.stop_timeout_s
+        if self.host_lost:  # a checkpoint needs every host: the last one is what is kept
+            return self.step
         try:
             ray.get(self.trainer.stop.remote(), timeout=timeout)
             return int(ray.get(self.train_run, timeout=timeout))

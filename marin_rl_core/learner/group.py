@@ -98,15 +98,14 @@ class GroupChannel:
 
 
 def gathered_for_serving(model: Any) -> Any:
-    """``model`` (spread over a group's devices) whole on this process's first device, for the
-    leader's weight server; every process of the group takes part. Alone: ``model`` itself."""
+    """``model`` (spread over a group's devices) gathered whole into this host's memory (numpy
+    leaves), for the leader's weight server: no device of the leader need hold the whole model
+    beside its shards of the training state. Every process of the group takes part (each gets
+    the whole model; only the leader serves it). Alone: ``model`` itself."""
     import jax
 
     if jax.process_count() == 1:
         return model
     from marin_rl_core.learner.multihost import host_copy
 
-    device = jax.local_devices()[0]
-    return jax.tree.map(
-        lambda x: jax.device_put(x, device) if isinstance(x, np.ndarray) else x, host_copy(model)
-    )
+    return host_copy(model)

@@ -41,6 +41,8 @@ def join(coordinator: str, num_processes: int, process_id: int, *, timeout_s: in
             num_processes=num_processes,
             process_id=process_id,
             initialization_timeout=timeout_s,
+            # The address the others connect to, not every interface (JAX's default).
+            coordinator_bind_address=coordinator if process_id == 0 else None,
         )
     except Exception as exc:  # jax raises a bare XlaRuntimeError (DEADLINE_EXCEEDED, ...)
         raise TimeoutError(
