@@ -104,13 +104,13 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def two_node_cluster():
-    """A head and a second node on this machine, each with one ``rollout_slot``. (Ray gives a
-    cluster node the machine's own network address, not 127.0.0.1; the traffic stays on this
-    machine.)"""
+    """A head and a second node on this machine, each with one ``rollout_slot`` and one
+    ``trainer_slot``. (Ray gives a cluster node the machine's own network address, not
+    127.0.0.1; the traffic stays on this machine.)"""
     port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-")
     nodes = Nodes()
-    slot = '{"rollout_slot": 1}'
+    slot = '{"rollout_slot": 1, "trainer_slot": 1}'
     nodes.start(
         "--head", f"--port={port}", "--num-cpus=2", f"--resources={slot}",
         "--include-dashboard=false", f"--temp-dir={temp_dir}",
@@ -195,4 +195,28 @@ def test_rollout_workers_spread_over_two_nodes_and_the_job_finishes(
         placed[i] = re.search(rf"rollout worker {i} process \d+ on node (\w+) \(([^)]*)\)", text)
         assert placed[i], text
     assert placed[0].group(1) != placed[1].group(1), "both rollout workers on one node"
+    assert trained_steps(run_dir) == [1, 2]
+
+
+def test_a_trainer_over_two_hosts_spans_both_nodes_and_the_job_finishes(
+    two_node_cluster, run_job, tmp_path
+):
+    """``resources.trainer_hosts=2``, each host asking for the one ``trainer_slot`` a node has:
+    Ray places a trainer process on each node, they join over the machine's network address
+    (not loopback) and train one model over both nodes' devices."""
+    log, run_dir = run_job(
+        tmp_path, "two-hosts", "--ray-address", two_node_cluster,
+        "--set", "resources.trainer_hosts=2",
+        "--set", "resources.trainer.custom={trainer_slot = 1}",
+    )  # fmt: skip
+    assert "placed the trainer's 2 hosts" in log, log
+    nodes = []
+    for name in ("trainer", "trainer-1"):
+        text = (run_dir / "logs" / f"{name}.log").read_text()
+        found = re.search(r"process \d+ on node (\w+) \(([^)]*)\)", text)
+        assert found, text
+        nodes.append(found.group(1))
+        assert "of 2 joined at" in text and "1 local of 2 devices" in text, text
+    assert nodes[0] != nodes[1], "both trainer hosts on one node"
+    assert "over 2 device(s)" in (run_dir / "logs" / "trainer.log").read_text()
     assert trained_steps(run_dir) == [1, 2]

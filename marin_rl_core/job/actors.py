@@ -223,14 +223,17 @@ class TrainerService(_SetUpError):
         group: tuple[str, int] | None,
     ) -> None:
         _worker_logging(wc.run_dir, "trainer")
-        logger.info("trainer process %d", os.getpid())
+        import ray
+
+        logger.info(
+            "trainer process %d on node %s (%s)",
+            os.getpid(), ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+        )  # fmt: skip
         if group is not None:  # before anything touches the devices
             from marin_rl_core.learner import multihost
 
             multihost.join(group[0], group[1], 0)
         curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
-        import ray
-
         from marin_rl_core.job import compile_cache
         from marin_rl_core.learner.trainer import Trainer
 

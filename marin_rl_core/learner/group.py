@@ -2,32 +2,41 @@
 loop, reading rollouts, sampling batches and deciding when to publish and checkpoint; before
 each collective operation it tells the others (the followers) which one, and for a train step
 the rollouts and advantages it sampled, so that every process runs the same JAX program on the
-same data. The commands travel over JAX's own collectives (a broadcast from process 0), so a
-group needs nothing beside ``jax.distributed``.
+same data. A group needs nothing beside ``jax.distributed``:
 
-A command is a JSON header (``op``, the step, the advantages) and, for a step, the rollouts in
-marinrl's Arrow wire format (:mod:`~marin_rl_core.rollout_serialization`): nothing is unpickled.
+- each command's JSON header (``op``, the step, the advantages, the size of its payload) goes
+  through the coordination service's key-value store, where a follower waits for it as long as
+  the leader waits for rollouts (in bounded gets, while the leader lives): a collective would
+  wait for the leader inside the device program, and on CPU gloo gives up a first collective
+  after 30 s;
+- a step's rollouts, in marinrl's Arrow wire format (:mod:`~marin_rl_core.rollout_serialization`:
+  nothing is unpickled), follow as a broadcast from process 0 that every process enters at once,
+  having read the header.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import time
 from typing import Any
 
 import numpy as np
 
-from marin_rl_core.learner.multihost import is_leader
+from marin_rl_core.learner.multihost import coordination_client, is_leader
 from marin_rl_core.types import Rollout
 
+logger = logging.getLogger(__name__)
+
 STEP, PUBLISH, CHECKPOINT, STOP = "step", "publish", "checkpoint", "stop"
+POLL_MS = 60_000
+"""A follower's wait for the next command, in bounded gets of this long."""
 
 
-def _broadcast(data: bytes | None) -> bytes:
-    """``data`` of process 0, on every process (its length first, then its bytes)."""
+def _broadcast(data: bytes | None, length: int) -> bytes:
+    """``data`` (``length`` bytes) of process 0, on every process."""
     from jax.experimental import multihost_utils
 
-    length = np.asarray([0 if data is None else len(data)], np.int64)
-    length = int(multihost_utils.broadcast_one_to_all(length)[0])
     buffer = np.zeros(max(length, 1), np.uint8)
     if data is not None:
         buffer[:length] = np.frombuffer(data, np.uint8)
@@ -42,6 +51,8 @@ class GroupChannel:
 
         self.size = jax.process_count()
         self.leads = is_leader()
+        self.sent = 0
+        """Commands sent (the leader) or received (a follower): the next one's key."""
         self.pending: str | None = None
         """The command sent whose operation the leader has not finished (:meth:`done`)."""
 
@@ -63,32 +74,48 @@ class GroupChannel:
         from marin_rl_core.rollout_serialization import serialize_rollout_batch
         from marin_rl_core.types import RolloutBatch, RolloutGroup
 
-        header = {"op": op, "step": step}
-        body = b""
+        header: dict[str, Any] = {"op": op, "step": step, "bytes": 0}
+        body = None
         if rollouts is not None:
             header["advantages"] = [float(a) for a in np.asarray(advantages, np.float32)]
             body = serialize_rollout_batch(RolloutBatch(groups=[RolloutGroup(rollouts=rollouts)]))
-        head = json.dumps(header).encode()
-        _broadcast(len(head).to_bytes(8, "little") + head + body)
+            header["bytes"] = len(body)
+        client = coordination_client()
+        if self.sent:  # every follower read the one before: it took part in its operation
+            client.key_value_delete(f"marinrl/group/{self.sent - 1}")
+        client.key_value_set(f"marinrl/group/{self.sent}", json.dumps(header))
+        self.sent += 1
+        if body is not None:
+            _broadcast(body, len(body))
         self.pending = op
 
     def done(self) -> None:
         self.pending = None
 
     def receive(self, step: int) -> tuple[str, list[Rollout] | None, np.ndarray | None]:
-        """A follower's next command: ``(op, rollouts, advantages)``.
+        """A follower's next command: ``(op, rollouts, advantages)``. It waits as long as the
+        leader takes (its death ends the wait: the coordination service is the leader's).
 
         Raises:
             RuntimeError: the leader is at another step than this follower's ``step``.
         """
         from marin_rl_core.rollout_serialization import deserialize_rollout_batch
 
-        data = _broadcast(None)
-        size = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8 : 8 + size])
+        key, waited = f"marinrl/group/{self.sent}", time.monotonic()
+        while True:
+            try:
+                header = json.loads(coordination_client().blocking_key_value_get(key, POLL_MS))
+                break
+            except Exception as exc:  # noqa: BLE001 - jax raises a bare runtime error
+                if "DEADLINE_EXCEEDED" not in str(exc):
+                    raise
+                logger.info("waiting for the leader's next command for %.0f s",
+                            time.monotonic() - waited)  # fmt: skip
+        self.sent += 1
         rollouts = advantages = None
-        if "advantages" in header:
-            rollouts = deserialize_rollout_batch(data[8 + size :]).rollouts
+        if header["bytes"]:
+            body = _broadcast(None, header["bytes"])
+            rollouts = deserialize_rollout_batch(body).rollouts
             advantages = np.asarray(header["advantages"], np.float32)
         if header["op"] != STOP and header["step"] != step:
             raise RuntimeError(

@@ -62,14 +62,33 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    """Wait until every process of the group reaches the barrier ``name`` (no-op alone)."""
+BARRIER_TIMEOUT_S = 1800
+_barriers = 0
+
+
+def coordination_client() -> Any:
+    """The ``jax.distributed`` coordination service's client of this process (its key-value
+    store and barriers; private in jax 0.10.2, where nothing public exposes it)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def barrier(name: str, timeout_s: int = BARRIER_TIMEOUT_S) -> None:
+    """Wait until every process of the group reaches the barrier ``name`` (no-op alone). A
+    barrier of the coordination service, not a device collective: one process may be busy (host
+    0 writing a checkpoint's files) for longer than a collective would wait. Every process
+    passes the same barriers in the same order (each is numbered, so a name may recur).
+
+    Raises:
+        RuntimeError: not every process arrived within ``timeout_s`` (jax's error).
+    """
     import jax
 
+    global _barriers
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
+        _barriers += 1
+        coordination_client().wait_at_barrier(f"{name}#{_barriers}", timeout_s * 1000)
 
 
 def host_copy(tree: Any) -> Any:
