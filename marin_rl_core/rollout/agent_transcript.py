@@ -1,0 +1,207 @@
+"""The token-exact record of one agent episode: every call the agent made to the policy through
+the OpenAI-compatible endpoint (issue 30), as the ids the policy saw and sampled, and the training
+samples (:class:`~marin_rl_core.types.Rollout`) built from them.
+
+An agent sends its whole conversation with each call. Re-tokenizing or re-templating that
+conversation at the end would not give back the ids the policy sampled (a sampled action need
+not be the canonical encoding of its text; templates rewrite past turns), and training on other
+ids than the sampled ones biases the gradient. So the transcript keeps each call's prompt ids,
+completion ids and log-probabilities, and builds the prompt of a new call from them:
+
+* The new call's messages are matched against the recorded calls: the longest recorded call
+  whose messages plus its reply are a prefix of the new messages is the one continued.
+* The new prompt is the chat template's rendering of the new messages; it must *extend* the
+  continued call's prompt + completion ids (the extension property multi-turn episodes rely on,
+  :mod:`~marin_rl_core.rollout.episode_state`). The new call then continues that call's training
+  sample: one sample holds every turn, the policy's tokens masked in, exactly as sampled.
+* Otherwise a new sample (``Rollout.part``) starts whose prompt is the fresh rendering, and the
+  reason is counted (:attr:`Transcript.splits`): ``"fork"`` (the history is not a prefix of any
+  recorded conversation: the agent edited or dropped messages), ``"template"`` (the template
+  rewrites recorded ids: e.g. one that drops past reasoning) or ``"branch"`` (a recorded call is
+  continued a second time: ``n > 1`` choices, or the agent went back). Nothing drifts: every
+  sampled id is trained exactly once, in the sample it was sampled in, with its log-probability.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from marin_rl_core.types import Rollout
+
+_MESSAGE_KEYS = ("role", "content", "name", "tool_calls", "tool_call_id")
+
+
+def canonical_message(message: Mapping[str, Any]) -> str:
+    """A message as compared between calls: its role, text, name, tool calls and tool call id
+    (what the template renders), without the fields an OpenAI client adds or drops (``None``
+    values, ``refusal``, ``audio``, ...). Text given as a list of ``{"type": "text"}`` parts is
+    joined."""
+    out: dict[str, Any] = {}
+    for key in _MESSAGE_KEYS:
+        value = message.get(key)
+        if key == "content" and isinstance(value, list):
+            value = "".join(p.get("text", "") for p in value if isinstance(p, Mapping))
+        if key == "tool_calls" and value:
+            value = [
+                {
+                    "id": call.get("id"),
+                    "name": call.get("function", {}).get("name"),
+                    "arguments": call.get("function", {}).get("arguments"),
+                }
+                for call in value
+            ]
+        if value not in (None, "", []):
+            out[key] = value
+    return json.dumps(out, sort_keys=True, ensure_ascii=False)
+
+
+@attrs.define
+class Context:
+    """The prompt of a call about to be sampled: its ids, the recorded call it continues (index,
+    or ``None``) and, where it cannot continue one, why (a key of :attr:`Transcript.splits`)."""
+
+    ids: list[int]
+    parent: int | None
+    reason: str | None
+
+
+@attrs.define
+class Call:
+    """One recorded call (one choice of it)."""
+
+    messages: list[str]  # canonical messages of the request
+    reply: str  # the canonical assistant message returned
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    weight_step: int
+    truncated: bool  # finish_reason "length"
+    part: int = -1
+
+
+class Transcript:
+    """The calls of one episode.
+
+    Args:
+        render: the chat template: ``render(messages, tools)`` (OpenAI-style dicts; the
+            request's ``tools`` or ``None``) to the prompt's token ids, ending with the opening
+            of the assistant's turn.
+    """
+
+    def __init__(self, render: Callable[[list[dict[str, Any]], Any], list[int]]):
+        self._render = render
+        self.calls: list[Call] = []
+        self.parts: list[list[int]] = []
+        """Each training sample's calls, in order (indices into :attr:`calls`)."""
+        self.splits: Counter[str] = Counter()
+
+    def _continued(self, canon: list[str]) -> int | None:
+        """The recorded call whose messages plus reply are the longest prefix of ``canon``."""
+        best, best_len = None, -1
+        for i, call in enumerate(self.calls):
+            n = len(call.messages) + 1
+            if best_len < n <= len(canon) and canon[: n - 1] == call.messages:
+                if canon[n - 1] == call.reply:
+                    best, best_len = i, n
+        return best
+
+    def context(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Context:
+        """The prompt ids for a call with ``messages`` and ``tools`` (see the module
+        docstring; tools that change between calls change the rendering: a split)."""
+        ids = [int(t) for t in self._render([dict(m) for m in messages], tools)]
+        if not self.calls:
+            return Context(ids, None, None)
+        parent = self._continued([canonical_message(m) for m in messages])
+        if parent is None:
+            return Context(ids, None, "fork")
+        recorded = self.calls[parent].prompt_ids + self.calls[parent].completion_ids
+        if ids[: len(recorded)] != recorded:
+            return Context(ids, None, "template")
+        return Context(ids, parent, None)
+
+    def record(
+        self,
+        context: Context,
+        messages: Sequence[Mapping[str, Any]],
+        reply: Mapping[str, Any],
+        completion_ids: Sequence[int],
+        logprobs: Sequence[float],
+        *,
+        weight_step: int,
+        truncated: bool,
+    ) -> Call:
+        """Keep a sampled choice of the call whose prompt was ``context`` (one record per
+        choice: the first continues the parent's sample, the others branch)."""
+        if len(completion_ids) != len(logprobs):
+            raise ValueError(f"{len(completion_ids)} completion ids, {len(logprobs)} logprobs")
+        call = Call(
+            messages=[canonical_message(m) for m in messages],
+            reply=canonical_message(reply),
+            prompt_ids=list(context.ids),
+            completion_ids=[int(t) for t in completion_ids],
+            logprobs=[float(x) for x in logprobs],
+            weight_step=int(weight_step),
+            truncated=bool(truncated),
+        )
+        index = len(self.calls)
+        parent = context.parent
+        if parent is not None and self.parts[self.calls[parent].part][-1] == parent:
+            call.part = self.calls[parent].part
+            self.parts[call.part].append(index)
+        else:
+            if self.calls:  # the first call of an episode starts its first sample: no split
+                self.splits[context.reason or "branch"] += 1
+            call.part = len(self.parts)
+            self.parts.append([index])
+        self.calls.append(call)
+        return call
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(len(c.completion_ids) for c in self.calls)
+
+    def rollouts(
+        self, *, env_name: str, lesson_id: str, problem_id: str, reward: float
+    ) -> list[Rollout]:
+        """One :class:`Rollout` per sample (``part`` 0, 1, ...), each with the episode's
+        ``reward``; the last call of the episode gets it as its turn reward. Metadata (weight
+        step: :meth:`weight_step` of each part) is the caller's."""
+        out = []
+        last = len(self.calls) - 1
+        for p, indices in enumerate(self.parts):
+            tip = self.calls[indices[-1]]
+            tokens = tip.prompt_ids + tip.completion_ids
+            mask = [False] * len(tokens)
+            logprobs = [0.0] * len(tokens)
+            starts = []
+            for i in indices:
+                call = self.calls[i]
+                start = len(call.prompt_ids)
+                starts.append(start)
+                for k, lp in enumerate(call.logprobs):
+                    mask[start + k], logprobs[start + k] = True, lp
+            out.append(
+                Rollout(
+                    env_name=env_name,
+                    lesson_id=lesson_id,
+                    problem_id=problem_id,
+                    tokens=tokens,
+                    loss_mask=mask,
+                    logprobs=logprobs,
+                    reward=reward,
+                    turn_starts=starts,
+                    turn_rewards=[reward if i == last else 0.0 for i in indices],
+                    part=p,
+                    truncated=tip.truncated,
+                )
+            )
+        return out
+
+    def weight_step(self, part: int) -> int:
+        """The oldest weight version any call of sample ``part`` was sampled with."""
+        return min(self.calls[i].weight_step for i in self.parts[part])
