@@ -273,3 +273,37 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
             axis_mapping={},
             mesh=mesh,
         )
+
+
+def restore_policy_only(
+    learner: Any, loss: Any, config: Any, path: Path, like: Any
+) -> tuple[Any, str]:
+    """The trainer state from checkpoint ``path`` written by a loss with trainable state when
+    this run's ``loss`` has none, or the other way round (a run switched from ``rloo`` to
+    ``ppo``): the policy and the step resume; the loss's state starts fresh (a new critic) or is
+    left behind, and so does the optimizer's state, whose structure differs (its counters go on
+    from the checkpoint's step, so the learning-rate schedule continues). Returns the state and
+    a note for the user saying so."""
+    import jax
+
+    from marin_rl_core.learner.loss import TrainedModel, policy_of, with_loss_state
+
+    policy = learner.restore(
+        path, policy_of(like.model), subpath="model/policy" if has_loss_state(path) else "model"
+    )
+    step = learner.restore(path, like.step, subpath="step")
+    model, _ = with_loss_state(
+        loss, policy, key=jax.random.PRNGKey(config.seed + 2),
+        learning_rate=config.trainer.learning_rate,
+    )  # fmt: skip
+    fresh = learner.init_state(model, key=jax.random.PRNGKey(config.seed + 1))
+    if isinstance(model, TrainedModel):
+        what = f"the {config.loss.name} loss's trainable state (its critic) starts fresh"
+    else:
+        what = "the trainable state of the loss that wrote it (a critic) is left behind"
+    note = (
+        f"checkpoint {path.name} was written by a loss "
+        f"{'with' if has_loss_state(path) else 'without'} trainable state: the policy and "
+        f"the step resume from it, {what}, and the optimizer's moments start fresh"
+    )
+    return learner.with_step(fresh, step), note

@@ -38,6 +38,7 @@ from marin_rl_core.learner.checkpoint import (
     has_loss_state,
     load_newest,
     read_state,
+    restore_policy_only,
     save_checkpoint,
 )
 from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
@@ -230,36 +231,12 @@ class Trainer:
         if replay.exists():  # checkpoints of older versions have none: an empty buffer
             self.replay.load_state_dict(replay.read_bytes(), state["replay_buffer"])
         if has_loss_state(path) != isinstance(like.model, TrainedModel):
-            return state, self._restore_policy_only(path, like)
+            restored, note = restore_policy_only(
+                self.learner, self.loss, self.config, path, like
+            )  # (a run that switched between rloo and ppo, say)
+            self.resume_notes.append(note)
+            return state, restored
         return state, self.learner.restore(path, like)
-
-    def _restore_policy_only(self, path: Path, like: Any) -> Any:
-        """The trainer state from a checkpoint written by a loss with trainable state when this
-        run's loss has none, or the other way round (a run switched from ``rloo`` to ``ppo``):
-        the policy and the step resume; the loss's state starts fresh (a new critic) or is
-        left behind, and so does the optimizer's state, whose structure differs (its counters
-        go on from the checkpoint's step, so the learning-rate schedule continues)."""
-        import jax
-
-        policy = self.learner.restore(
-            path, policy_of(like.model), subpath="model/policy" if has_loss_state(path) else "model"
-        )
-        step = self.learner.restore(path, like.step, subpath="step")
-        model, _ = with_loss_state(
-            self.loss, policy, key=jax.random.PRNGKey(self.config.seed + 2),
-            learning_rate=self.config.trainer.learning_rate,
-        )  # fmt: skip
-        fresh = self.learner.init_state(model, key=jax.random.PRNGKey(self.config.seed + 1))
-        if isinstance(model, TrainedModel):
-            what = f"the {self.config.loss.name} loss's trainable state (its critic) starts fresh"
-        else:
-            what = "the trainable state of the loss that wrote it (a critic) is left behind"
-        self.resume_notes.append(
-            f"checkpoint {path.name} was written by a loss "
-            f"{'with' if has_loss_state(path) else 'without'} trainable state: the policy and "
-            f"the step resume from it, {what}, and the optimizer's moments start fresh"
-        )
-        return self.learner.with_step(fresh, step)
 
     def _enter(self, stage: str) -> float:
         """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
