@@ -53,23 +53,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.nda
     return {"four": four, "one": one, "one_resumed": one_resumed, "two_resumed": two_resumed}
 
 
-def _run_group(processes: int, devices: int, out: Path, *args: str) -> dict[str, np.ndarray]:
-    """``sharded_step.py`` as a trainer group: ``processes`` processes of ``devices`` each."""
+def run_group(argv: list[str], processes: int) -> None:
+    """``python ARGV... --group COORDINATOR,PROCESSES,I`` for each process ``I`` of a trainer
+    group on 127.0.0.1 (each sets its own simulated devices); asserts that all exit 0."""
     from marin_rl_core.testing import free_port
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                str(devices),
-                str(out),
-                *args,
-                "--group",
-                f"{coordinator},{processes},{i}",
-            ],
+            [sys.executable, *argv, "--group", f"{coordinator},{processes},{i}"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -80,6 +73,11 @@ def _run_group(processes: int, devices: int, out: Path, *args: str) -> dict[str,
     errors = [p.communicate(timeout=600)[1] for p in procs]
     for p, err in zip(procs, errors, strict=True):
         assert p.returncode == 0, err[-4000:]
+
+
+def _run_group(processes: int, devices: int, out: Path, *args: str) -> dict[str, np.ndarray]:
+    """``sharded_step.py`` as a trainer group: ``processes`` processes of ``devices`` each."""
+    run_group([str(SCRIPT), str(devices), str(out), *args], processes)
     return dict(np.load(out))
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from marin_rl_core.testing import free_port
-
 SCRIPT = Path(__file__).with_name("group_trainer.py")
 STEPS = 3
 
@@ -71,38 +69,15 @@ def _write_rollouts(directory: Path) -> None:
 
 
 def _run(devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, group: int = 0):
-    if not group:
-        proc = subprocess.run(
-            [sys.executable, str(SCRIPT), str(devices), str(run_dir), str(rollouts), str(steps),
-             str(out)],
-            capture_output=True, text=True, env=_env(), timeout=600,
-        )  # fmt: skip
+    argv = [str(SCRIPT), str(devices), str(run_dir), str(rollouts), str(steps), str(out)]
+    if group:
+        from test_sharding import run_group
+
+        run_group(argv, group)
+    else:
+        proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                              env=_env(), timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
-        return json.loads(out.read_text())
-    coordinator = f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(SCRIPT),
-                str(devices),
-                str(run_dir),
-                str(rollouts),
-                str(steps),
-                str(out),
-                "--group",
-                f"{coordinator},{group},{i}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )  # fmt: skip
-        for i in range(group)
-    ]
-    errors = [p.communicate(timeout=600)[1] for p in procs]
-    for p, err in zip(procs, errors, strict=True):
-        assert p.returncode == 0, err[-4000:]
     return json.loads(out.read_text())
 
 
