@@ -29,6 +29,7 @@ from marin_rl_core.hookspecs import (
     hookspec,
 )
 from marin_rl_core.protocols import (
+    AgentEnv,
     CurriculumPolicy,
     Env,
     Episode,
@@ -44,6 +45,8 @@ from marin_rl_core.protocols import (
 from marin_rl_core.registry import Registry, RegistrySpec, build_registry, registry_from_spec
 from marin_rl_core.types import (
     Action,
+    AgentCommand,
+    AgentEndpoint,
     LessonConfig,
     LessonDependency,
     LessonStats,
@@ -62,6 +65,9 @@ from marin_rl_core.types import (
 __all__ = [
     "PROJECT",
     "Action",
+    "AgentCommand",
+    "AgentEndpoint",
+    "AgentEnv",
     "Episode",
     "MultiTurnEnv",
     "Step",

@@ -94,6 +94,43 @@ class MultiTurnEnv(Protocol):
         ...
 
 
+@runtime_checkable
+class AgentEnv(Protocol):
+    """An env whose episode is an agent program: any code written against the OpenAI client.
+
+    For each episode the rollout worker opens an OpenAI-compatible endpoint of the episode's own
+    (an :class:`~marin_rl_core.types.AgentEndpoint`: base URL and key) and calls ``run_agent``;
+    the program calls ``/v1/chat/completions`` or ``/v1/completions`` as often as it likes (up
+    to the episode's limits), and every call is sampled from the current policy, batched with
+    the other episodes' calls, and recorded as the exact ids the policy saw and sampled
+    (:mod:`marin_rl_core.rollout.agent_transcript`). When the program returns, the episode is
+    scored and its calls become its training samples. See docs/agents.md.
+
+    ``run_agent`` may be a plain function (run on a thread of its own: use ``openai.OpenAI``),
+    ``async def`` (run on the worker's event loop: use ``openai.AsyncOpenAI``), or return an
+    :class:`~marin_rl_core.types.AgentCommand` to run a subprocess. It returns the episode's
+    result: a reward (a float or :class:`~marin_rl_core.types.Score`) when the env has no
+    ``score``, or anything its ``score(problem, result)`` grades (a subprocess's result is its
+    standard output). An agent that raises, exits non-zero or outlives
+    ``episodes.episode_timeout_s`` fails its episode (its problem's group is dropped and counted
+    in ``env_errors`` / ``env_timeouts``) and nothing else.
+    """
+
+    def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
+        """As :meth:`Env.sample_problems`."""
+        ...
+
+    def run_agent(self, problem: Problem, endpoint: Any) -> Any:
+        """Run one episode of ``problem`` against ``endpoint``; return its result (see the
+        class docstring)."""
+        ...
+
+
+def is_agent_env(env: Any) -> bool:
+    """Whether ``env`` is an :class:`AgentEnv` (it has ``run_agent``)."""
+    return callable(getattr(env, "run_agent", None))
+
+
 LOSS_AGGREGATIONS = ("token_mean", "sequence_mean", "sum_over_length")
 """How a loss's per-token values become the step's loss (:mod:`marin_rl_core.learner.loss`)."""
 

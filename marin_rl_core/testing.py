@@ -130,9 +130,10 @@ def check_env(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
     name = f"env {record.name!r}"
     env = _within(timeout_s, f"{name}: build()", record.build, check_config_class(record))
     multi_turn = isinstance(env, protocols.MultiTurnEnv)
-    assert multi_turn or isinstance(env, protocols.Env), (
-        f"{name}: build() must return an Env (sample_problems + score) or a "
-        "MultiTurnEnv (sample_problems + reset)"
+    agent = protocols.is_agent_env(env)  # its episodes need a policy: only problems are checked
+    assert multi_turn or agent or isinstance(env, protocols.Env), (
+        f"{name}: build() must return an Env (sample_problems + score), a MultiTurnEnv "
+        "(sample_problems + reset) or an AgentEnv (sample_problems + run_agent)"
     )
     for mode in ("train", "eval"):
         what = f"{name}: sample_problems(3, mode={mode!r}, seed=0)"
@@ -142,6 +143,8 @@ def check_env(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
         assert [p.id for p in problems] == [p.id for p in again], "same seed, same problems"
         for problem in problems:
             assert isinstance(problem.prompt, str) and (problem.prompt or problem.messages)
+            if agent:
+                continue
             if multi_turn:
                 episode = _within(timeout_s, f"{name}: reset({problem.id!r})", env.reset, problem)
                 assert isinstance(episode, protocols.Episode), (

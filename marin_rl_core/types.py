@@ -184,6 +184,62 @@ class Step:
 
 
 @attrs.frozen(kw_only=True)
+class AgentEndpoint:
+    """Where an agent episode's program reaches the policy: an OpenAI-compatible API of its own
+    (:class:`~marin_rl_core.protocols.AgentEnv`). Every call made through ``base_url`` or with
+    ``api_key`` is this episode's; it is recorded token for token and trained on.
+
+    Args:
+        base_url: the episode's API root (``http://127.0.0.1:PORT/e/KEY/v1``): give it to
+            ``openai.OpenAI(base_url=...)``.
+        api_key: the episode's key (the server also tells episodes apart by it).
+        model: the model name to send (any name is accepted).
+        temperature: the lesson's sampling temperature: the default of a request that sets none
+            (training logprobs assume it; eval lessons use 0).
+        max_tokens: the lesson's ``max_tokens``: the default of a request that sets none.
+    """
+
+    base_url: str
+    api_key: str
+    model: str = "policy"
+    temperature: float = 1.0
+    max_tokens: int = 16
+
+    def environ(self) -> dict[str, str]:
+        """The variables an agent subprocess is started with: ``OPENAI_BASE_URL`` and
+        ``OPENAI_API_KEY`` (read by the ``openai`` client itself), ``MARINRL_MODEL``,
+        ``MARINRL_TEMPERATURE`` and ``MARINRL_MAX_TOKENS``."""
+        return {
+            "OPENAI_BASE_URL": self.base_url,
+            "OPENAI_API_KEY": self.api_key,
+            "MARINRL_MODEL": self.model,
+            "MARINRL_TEMPERATURE": repr(float(self.temperature)),
+            "MARINRL_MAX_TOKENS": str(int(self.max_tokens)),
+        }
+
+
+@attrs.frozen(kw_only=True)
+class AgentCommand:
+    """An agent program run as a subprocess (what ``AgentEnv.run_agent`` returns for one): it
+    is started with ``argv`` and the endpoint's variables (:meth:`AgentEndpoint.environ`) added
+    to this process's environment and ``env``; its standard output (text) is the episode's
+    result, given to the env's ``score``. A non-zero exit fails the episode (its standard
+    error's last lines say why); one still running at ``episodes.episode_timeout_s`` is killed.
+
+    Args:
+        argv: the program and its arguments (no shell).
+        env: more environment variables.
+        cwd: its working directory (default: the rollout worker's).
+        stdin: text written to its standard input.
+    """
+
+    argv: tuple[str, ...] = attrs.field(converter=tuple)
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    cwd: str | None = None
+    stdin: str | None = None
+
+
+@attrs.frozen(kw_only=True)
 class RolloutMetadata:
     """Where and when a rollout was made; attached by the rollout worker, never by the env.
 

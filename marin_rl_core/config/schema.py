@@ -423,6 +423,14 @@ class EpisodesConfig:
             message) while :data:`~marin_rl_core.rollout.env_threads.MAX_HUNG_THREADS` threads are stuck.
             1 makes an env see one call at a time: for envs whose episodes share state that is
             not thread-safe. A single-turn env's ``score`` calls always run one at a time.
+        max_episode_tokens: the most tokens the policy samples in one agent episode (all its
+            calls together); 0: no limit but ``max_turns`` calls of ``model.max_seq_len``. An
+            agent episode's calls are limited to ``max_turns`` as well (docs/agents.md).
+        agent_host: the address the agent endpoint listens on (loopback: agents run on the
+            rollout worker's machine; ``0.0.0.0`` to let agents elsewhere reach it).
+        agent_port: its port; 0 picks a free one (each rollout worker has its own endpoint).
+        agent_batch_window_s: how long an agent's call waits for other episodes' calls to be
+            sampled with it, unless every running episode has a call waiting already.
     """
 
     max_turns: int = attrs.field(default=8, validator=attrs.validators.ge(1))
@@ -431,6 +439,12 @@ class EpisodesConfig:
     generation_cohorts: int = attrs.field(default=2, validator=attrs.validators.ge(1))
     env_processes: int = attrs.field(default=0, validator=attrs.validators.ge(0))
     env_threads: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    max_episode_tokens: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    agent_host: str = "127.0.0.1"
+    agent_port: int = attrs.field(
+        default=0, validator=[attrs.validators.ge(0), attrs.validators.le(65535)]
+    )
+    agent_batch_window_s: float = attrs.field(default=0.005, validator=attrs.validators.ge(0))
 
 
 @attrs.frozen(kw_only=True)

@@ -95,9 +95,12 @@ class Tokenizer(Protocol):
         """Token ids of ``text``, with the BOS id in front when ``add_bos`` (and one exists)."""
         ...
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None
+    ) -> list[int]:
         """Token ids of ``messages`` through the chat template, ending with the prompt that
-        opens the assistant's turn. Only for tokenizers with a chat template."""
+        opens the assistant's turn; ``tools`` (OpenAI-style function schemas) are rendered
+        where the template shows them. Only for tokenizers with a chat template."""
         ...
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
@@ -153,7 +156,9 @@ class ArithmeticTokenizer:
     def chat_template(self) -> None:
         return None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None
+    ) -> list[int]:
         raise ValueError("the arithmetic tokenizer has no chat template; give Problem.prompt")
 
     def token_id(self, token: str) -> int:
@@ -282,7 +287,9 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return ids
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Any] | None = None
+    ) -> list[int]:
         if self.chat_template is None:
             raise ValueError(
                 f"the tokenizer {getattr(self._hf, 'name_or_path', '')!r} has no chat template; "
@@ -290,7 +297,10 @@ class HFTokenizer:
             )
         # Render to text and encode without added specials: the template writes its own BOS.
         text = self._hf.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=True
+            [dict(m) for m in messages],
+            tools=list(tools) if tools else None,
+            tokenize=False,
+            add_generation_prompt=True,
         )
         return list(self._hf.encode(text, add_special_tokens=False))
 

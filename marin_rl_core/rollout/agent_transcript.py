@@ -18,7 +18,8 @@ completion ids and log-probabilities, and builds the prompt of a new call from t
   reason is counted (:attr:`Transcript.splits`): ``"fork"`` (the history is not a prefix of any
   recorded conversation: the agent edited or dropped messages), ``"template"`` (the template
   rewrites recorded ids: e.g. one that drops past reasoning) or ``"branch"`` (a recorded call is
-  continued a second time: ``n > 1`` choices, or the agent went back). Nothing drifts: every
+  continued a second time, or its conversation is asked again: ``n > 1`` choices, a retry, or
+  the agent went back). Nothing drifts: every
   sampled id is trained exactly once, in the sample it was sampled in, with its log-probability.
 """
 
@@ -82,6 +83,7 @@ class Call:
     weight_step: int
     truncated: bool  # finish_reason "length"
     part: int = -1
+    text: str | None = None  # a text completion's prompt + returned text (``None`` for chat)
 
 
 class Transcript:
@@ -116,13 +118,43 @@ class Transcript:
         ids = [int(t) for t in self._render([dict(m) for m in messages], tools)]
         if not self.calls:
             return Context(ids, None, None)
-        parent = self._continued([canonical_message(m) for m in messages])
-        if parent is None:
-            return Context(ids, None, "fork")
+        canon = [canonical_message(m) for m in messages]
+        parent = self._continued(canon)
+        if parent is None:  # the same conversation asked again is a branch of it, not a fork
+            again = any(call.messages == canon for call in self.calls)
+            return Context(ids, None, "branch" if again else "fork")
         recorded = self.calls[parent].prompt_ids + self.calls[parent].completion_ids
         if ids[: len(recorded)] != recorded:
             return Context(ids, None, "template")
         return Context(ids, parent, None)
+
+    def context_text(self, text: str, encode: Callable[[str, bool], list[int]]) -> Context:
+        """The prompt ids of a text completion (``/v1/completions``) whose prompt is ``text``:
+        where a recorded completion's prompt + returned text starts ``text`` (the longest), its
+        recorded ids followed by ``encode(rest, False)`` (the rest encoded on its own, no BOS):
+        the ids the policy sampled are reused, never re-tokenized. Otherwise ``encode(text,
+        True)`` (with BOS), a new sample."""
+        best, best_len = None, -1
+        for i, call in enumerate(self.calls):
+            if call.text is not None and len(call.text) > best_len and text.startswith(call.text):
+                best, best_len = i, len(call.text)
+        if best is None:
+            return Context(encode(text, True), None, "fork" if self.calls else None)
+        call = self.calls[best]
+        rest = text[best_len:]
+        ids = call.prompt_ids + call.completion_ids + (encode(rest, False) if rest else [])
+        return Context(ids, best, None)
+
+    def context_ids(self, ids: Sequence[int]) -> Context:
+        """The context of a completion whose prompt is given as token ids: it continues the
+        recorded call whose prompt + completion ids start ``ids`` (the longest)."""
+        ids = [int(t) for t in ids]
+        best, best_len = None, -1
+        for i, call in enumerate(self.calls):
+            n = len(call.prompt_ids) + len(call.completion_ids)
+            if best_len < n <= len(ids) and ids[:n] == call.prompt_ids + call.completion_ids:
+                best, best_len = i, n
+        return Context(ids, best, None if best is not None or not self.calls else "fork")
 
     def record(
         self,
@@ -134,6 +166,7 @@ class Transcript:
         *,
         weight_step: int,
         truncated: bool,
+        text: str | None = None,
     ) -> Call:
         """Keep a sampled choice of the call whose prompt was ``context`` (one record per
         choice: the first continues the parent's sample, the others branch)."""
@@ -147,6 +180,7 @@ class Transcript:
             logprobs=[float(x) for x in logprobs],
             weight_step=int(weight_step),
             truncated=bool(truncated),
+            text=text,
         )
         index = len(self.calls)
         parent = context.parent

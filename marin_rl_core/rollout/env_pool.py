@@ -66,7 +66,10 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
                 if inspect.isawaitable(result):
                     result = asyncio.run(_await(result))
             elif op == "describe":
-                result = {"single_turn": isinstance(env, SingleTurnEpisodes)}
+                result = {
+                    "single_turn": isinstance(env, SingleTurnEpisodes),
+                    "agent": callable(getattr(env, "run_agent", None)),
+                }
             elif op == "close":
                 episode = episodes.pop(args[0], None)
                 close = getattr(env, "close", None)
@@ -189,6 +192,7 @@ class EnvProcessPool:
         self.restarts = 0
         described = self._call(self.processes[0], "describe").result(timeout)
         self.single_turn: bool = bool(described["single_turn"])
+        self.agent: bool = bool(described.get("agent"))  # an AgentEnv: not run in processes
         """Whether the env in the processes is a single-turn env (``score``)."""
 
     def _call(self, process: _EnvProcess, op: str, *args: Any) -> concurrent.futures.Future[Any]:

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core.protocols import Env, Episode, MultiTurnEnv
+from marin_rl_core.protocols import Env, Episode, MultiTurnEnv, is_agent_env
 from marin_rl_core.types import Action, Problem, Rollout, Step, as_score
 
 # --- the single-turn adapter ----------------------------------------------------------------------
@@ -47,8 +47,8 @@ def as_multi_turn(env: Env | MultiTurnEnv) -> MultiTurnEnv:
     """``env`` as a multi-turn env: itself if it has ``reset``, else a one-step episode per
     problem whose step calls ``env.score``. The rollout side applies it to every env; it is
     public for tests and for code that drives envs itself."""
-    if callable(getattr(env, "reset", None)):
-        return env  # type: ignore[return-value]
+    if callable(getattr(env, "reset", None)) or is_agent_env(env):
+        return env  # type: ignore[return-value]  # an agent env runs its own episodes
     if not callable(getattr(env, "score", None)):
         raise TypeError(
             f"{type(env).__name__} has neither score() (a single-turn env) nor reset() (a "
@@ -84,7 +84,9 @@ class EpisodeResult:
         turns: actions taken.
         env_seconds: time spent in env calls (``reset`` and ``step``).
         env_step_seconds: time spent in ``step`` calls.
-        env_calls: ``step`` calls.
+        env_calls: ``step`` calls (an agent episode's: its calls to the policy).
+        splits: an agent episode's extra training samples, by reason (``"fork"``,
+            ``"template"``, ``"branch"``: :class:`~marin_rl_core.rollout.agent_transcript.Transcript`).
     """
 
     rollouts: list[Rollout] = attrs.field(factory=list)
@@ -94,6 +96,7 @@ class EpisodeResult:
     env_seconds: float = 0.0
     env_step_seconds: float = 0.0
     env_calls: int = 0
+    splits: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.define(eq=False)
@@ -185,6 +188,12 @@ def close_part(live: Live, *, env_name: str, lesson_id: str, reward: float = 0.0
     live.result.rollouts.append(rollout)
 
 
+def episode_seed(seed: int, episode: int, turn: int) -> int:
+    """The sampling seed of an episode's action at ``turn`` (a single-turn env's batch uses the
+    batch seed instead, in one generate call); an agent episode's calls use it too."""
+    return int(np.random.SeedSequence([seed % 2**32, episode, turn]).generate_state(1)[0] >> 1)
+
+
 def episode_reward(result: EpisodeResult) -> float:
     """The sum of the turn rewards over all parts of an episode."""
     return float(sum(float(np.sum(r.turn_rewards)) for r in result.rollouts))
@@ -199,6 +208,7 @@ __all__ = [
     "as_multi_turn",
     "close_part",
     "episode_reward",
+    "episode_seed",
     "observe",
     "take_action",
 ]

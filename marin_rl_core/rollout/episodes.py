@@ -45,7 +45,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import numpy as np
 
 from marin_rl_core.config.schema import EpisodesConfig
 from marin_rl_core.models.tokenizer import response_stop_ids
@@ -63,6 +62,7 @@ from marin_rl_core.rollout.episode_state import (
     SingleTurnEpisodes,
     close_part,
     episode_reward,
+    episode_seed,
     observe,
     take_action,
 )
@@ -72,12 +72,6 @@ logger = logging.getLogger(__name__)
 
 
 # --- the runner ----------------------------------------------------------------------------------
-
-
-def episode_seed(seed: int, episode: int, turn: int) -> int:
-    """The sampling seed of an episode's action at ``turn`` (a single-turn env's batch uses the
-    batch seed instead, in one generate call)."""
-    return int(np.random.SeedSequence([seed % 2**32, episode, turn]).generate_state(1)[0] >> 1)
 
 
 class EpisodeRunner:
@@ -112,19 +106,24 @@ class EpisodeRunner:
         self._stuck_scores = 0
         self._said_stuck = False
         self._task: asyncio.Task[Any] | None = None  # the batch run() is running
+        self._agents: Any = None  # the agent endpoint and its episodes, made on first use
 
     @property
     def hung_threads(self) -> int:
         """Threads stuck in env calls that were cut off by their timeout and have not returned
         since (a call that was only slow frees its thread when it returns)."""
         pools = [*self._old_pools, *([self._env_pool] if self._env_pool else [])]
-        return self._stuck_scores + sum(pool.stuck for pool in pools)
+        agents = self._agents.hung_threads if self._agents is not None else 0
+        return self._stuck_scores + sum(pool.stuck for pool in pools) + agents
 
     def close(self) -> None:
         self._env_thread.shutdown()
         if self._env_pool is not None:
             self._env_pool.shutdown()
         self._generate_thread.shutdown()
+        if self._agents is not None:
+            self._agents.close()
+            self._agents.server.stop()
         self._loop.close()
 
     def run(self, *args: Any, **kwargs: Any) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
@@ -134,7 +133,28 @@ class EpisodeRunner:
         Raises:
             BatchCancelled: :meth:`cancel` was called while the batch ran.
         """
-        task = self._loop.create_task(self.run_async(*args, **kwargs))
+        return self._run(self.run_async(*args, **kwargs))
+
+    def run_agents(
+        self, env: Any, problems: Sequence[Problem], *, limits: EpisodesConfig, **kwargs: Any
+    ) -> tuple[list[list[EpisodeResult]], dict[str, float]]:
+        """Run an :class:`~marin_rl_core.protocols.AgentEnv`'s episodes through the agent
+        endpoint (started on first use): :meth:`AgentEpisodes.run
+        <marin_rl_core.rollout.agent_episodes.AgentEpisodes.run>` on the runner's loop."""
+        agents = self.agent_episodes(limits)
+        return self._run(agents.run(env, problems, limits=limits, **kwargs))
+
+    def agent_episodes(self, limits: EpisodesConfig) -> Any:
+        """The runner's agent endpoint and episode runner, started on first use on
+        ``limits.agent_host`` / ``agent_port``."""
+        if self._agents is None:
+            from marin_rl_core.rollout.agent_episodes import AgentEpisodes
+
+            self._agents = AgentEpisodes.start(self, limits)
+        return self._agents
+
+    def _run(self, coro: Any) -> Any:
+        task = self._loop.create_task(coro)
         self._task = task
         try:
             return self._loop.run_until_complete(task)

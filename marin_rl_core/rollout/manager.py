@@ -23,7 +23,7 @@ import numpy as np
 
 from marin_rl_core.config.converter import lesson_env_config
 from marin_rl_core.config.schema import RLJobConfig
-from marin_rl_core.protocols import CurriculumPolicy, MultiTurnEnv
+from marin_rl_core.protocols import CurriculumPolicy, MultiTurnEnv, is_agent_env
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.episode_state import as_multi_turn
 from marin_rl_core.rollout.episodes import EpisodeRunner
@@ -139,6 +139,9 @@ class RolloutManager:
             max_stop_tokens=max(stops),
             compute_dtype=config.model.resolved_inference_dtype,
         )
+        checkpoint = config.model.checkpoint
+        self.model_name = str(checkpoint).rstrip("/").rsplit("/", 1)[-1] if checkpoint else "policy"
+        """The name the agent endpoint gives the policy (the checkpoint's, else ``policy``)."""
         self._runner = EpisodeRunner(
             self._engine,
             tokenizer,
@@ -183,10 +186,19 @@ class RolloutManager:
             if processes:
                 from marin_rl_core.rollout.env_pool import EnvProcessPool
 
-                self._envs[lesson_id] = EnvProcessPool(
-                    build, env_config, processes, name=f"{name} ({lesson_id})"
-                )
-            else:
+                pool = EnvProcessPool(build, env_config, processes, name=f"{name} ({lesson_id})")
+                if not pool.agent:
+                    self._envs[lesson_id] = pool
+                else:  # an agent's program isolates itself: an AgentCommand is a subprocess
+                    pool.shutdown()
+                    logger.info(
+                        "lesson %s: %s is an agent env: its agents run in this worker (threads, "
+                        "its event loop, or the subprocesses its AgentCommands start), not in "
+                        "episodes.env_processes",
+                        lesson_id,
+                        name,
+                    )
+            if lesson_id not in self._envs:
                 self._envs[lesson_id] = as_multi_turn(build(env_config))
         return self._envs[lesson_id]
 
@@ -272,7 +284,8 @@ class RolloutManager:
         kept: list[Problem] = []
         limit = self.config.model.max_seq_len - 1
         chat = self.config.model.use_chat_template
-        for problem in problems:
+        agents = is_agent_env(env)
+        for problem in problems if not agents else ():
             try:
                 tokens = encode_prompt(self.tokenizer, problem, use_chat_template=chat)
             except Exception as exc:
@@ -295,21 +308,23 @@ class RolloutManager:
                 continue
             prompts.append(tokens)
             kept.append(problem)
-        results, timing = (
-            self._runner.run(
-                env,
-                kept,
-                prompts,
-                n=n_generations,
-                sampling=sampling,
-                seed=seed,
-                limits=limits,
-                env_name=env_name,
-                lesson_id=lesson_id,
-            )
-            if prompts
-            else ([], {"generate_seconds": 0.0})
+        common = dict(
+            n=n_generations,
+            sampling=sampling,
+            seed=seed,
+            limits=limits,
+            env_name=env_name,
+            lesson_id=lesson_id,
         )
+        if agents:  # the agent builds its own prompts: nothing to encode here
+            kept = list(problems)
+            results, timing = self._runner.run_agents(
+                env, kept, weight_step=weight_step, model_name=self.model_name, **common
+            )
+        elif prompts:
+            results, timing = self._runner.run(env, kept, prompts, **common)
+        else:
+            results, timing = [], {"generate_seconds": 0.0}
         seconds = timing["generate_seconds"]
         metadata = RolloutMetadata(
             worker_id=worker_id,
@@ -320,10 +335,11 @@ class RolloutManager:
         )
         groups: list[RolloutGroup] = []
         score_metrics: dict[str, list[float]] = {}
-        env_seconds = step_seconds = env_calls = timeouts = turns = episodes = 0.0
+        env_seconds = step_seconds = env_calls = timeouts = turns = episodes = splits = 0.0
         for problem, problem_results in zip(kept, results):
             failures = [r.failure for r in problem_results if r.failure is not None]
             for result in problem_results:
+                splits += sum(result.splits.values())
                 env_seconds += result.env_seconds
                 step_seconds += result.env_step_seconds
                 env_calls += result.env_calls
@@ -366,6 +382,8 @@ class RolloutManager:
             "env_process_restarts": float(getattr(env, "restarts", 0)),
             "env_hung_threads": float(self._runner.hung_threads),
         }
+        if agents:
+            metrics["agent_splits"] = splits
         for name, values in score_metrics.items():
             metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))
         return batch, metrics

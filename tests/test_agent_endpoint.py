@@ -1,0 +1,408 @@
+"""Agent envs (issue 30): programs written against the real ``openai`` client, talking to the
+policy through the rollout worker's endpoint, batched into the worker's sampler, recorded token
+for token; their failures stay in their episodes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import attrs
+import numpy as np
+import openai
+import pytest
+from test_episodes import _manager
+
+from marin_rl_core import (
+    AgentEndpoint,
+    EnvPlugin,
+    LessonConfig,
+    Problem,
+    SamplingParams,
+    Score,
+    hookimpl,
+)
+
+# --- a probe env: each test sets the agent it runs -----------------------------------------------
+
+AGENT: dict[str, object] = {}
+SEEN: list[AgentEndpoint] = []
+
+
+@attrs.frozen
+class ProbeAgentConfig:
+    n: int = 1
+
+
+class ProbeAgentEnv:
+    def __init__(self, config: ProbeAgentConfig):
+        self.config = config
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=f"p{seed}-{i}", prompt=f"{i % 10}+{i % 10}=") for i in range(n)]
+
+    def run_agent(self, problem, endpoint):
+        SEEN.append(endpoint)
+        return AGENT["run"](problem, endpoint)
+
+
+def _lessons(config):
+    return [
+        LessonConfig(
+            id="probe_agent",
+            env="probe_agent",
+            sampling=SamplingParams(temperature=1.0, max_tokens=4, n_prompts=2),
+            eval_sampling=SamplingParams(temperature=0.0, max_tokens=4, n_prompts=2),
+        )
+    ]
+
+
+class probe_plugin:
+    @staticmethod
+    @hookimpl
+    def marinrl_register_envs():
+        yield EnvPlugin(
+            name="probe_agent",
+            summary="test agent",
+            config_class=ProbeAgentConfig,
+            build=ProbeAgentEnv,
+            default_lessons=_lessons,
+        )
+
+
+def _batch(manager, n_examples=2, n_generations=2, seed=0, mode="train"):
+    return manager.sample_batch(
+        "probe_agent", n_examples=n_examples, n_generations=n_generations, mode=mode,
+        seed=seed, weight_step=7, worker_id="w",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    """A rollout manager over a tiny Qwen3 checkpoint (chat template, no padded vocabulary)."""
+    pytest.importorskip("torch")
+    from marin_rl_core.testing import tiny_chat_tokenizer, write_tiny_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("agent") / "qwen3"
+    write_tiny_hf_checkpoint(path, "qwen3", vocab_size=len(tiny_chat_tokenizer("chatml")))
+    manager, config = _manager(
+        "probe_agent",
+        modules=[probe_plugin],
+        overrides=[
+            f'model.checkpoint="{path}"',
+            "model.max_seq_len=96",
+            'model.inference_dtype="float32"',
+            "episodes.max_turns=6",
+        ],
+    )
+    yield manager, config
+    manager.shutdown()
+
+
+def _trainer_agrees(manager, config, rollouts, temperature=1.0):
+    """The trainer's logprobs of every recorded policy token equal the sampler's."""
+    from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+    from marin_rl_core.models.logprobs import next_token_logprobs
+
+    train = training_batch_from_rollouts(
+        rollouts, np.ones(len(rollouts)), config.model.max_seq_len, manager.tokenizer.pad_id,
+        temperature=temperature,
+    )  # fmt: skip
+    logprobs = np.asarray(
+        next_token_logprobs(manager.model, train.input_ids, temperature=train.temperature).array
+    )
+    mask = np.asarray(train.loss_mask.array)
+    assert mask.sum() == sum(r.num_policy_tokens for r in rollouts) > 0
+    np.testing.assert_allclose(
+        logprobs * mask, np.asarray(train.behaviour_logprobs.array), atol=1e-4
+    )
+
+
+# --- the guess game as an agent --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", ["async", "sync"])
+def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_samples(client):
+    """The guess game written as an OpenAI-client loop over text completions gives, seed for
+    seed, the very rollouts of the in-process ``guess`` env: the same ids (stop tokens and
+    feedback included, nothing re-tokenized), loss masks, logprobs and rewards; and the
+    trainer's logprobs of them equal the sampler's."""
+    kwargs = dict(n_examples=6, n_generations=4, mode="train", seed=3, weight_step=0, worker_id="w")
+    reference, _ = _manager("guess")
+    expected, _ = reference.sample_batch("guess_digit", **kwargs)
+    reference.shutdown()
+    manager, config = _manager("guess_agent", overrides=[f'env.client="{client}"'])
+    try:
+        batch, metrics = manager.sample_batch("guess_agent", **kwargs)
+        assert metrics["env_errors"] == 0 and metrics["agent_splits"] == 0
+        assert len(batch.rollouts) == len(expected.rollouts) == 24
+        for got, want in zip(batch.rollouts, expected.rollouts):
+            assert got.tokens.tolist() == want.tokens.tolist()
+            assert got.loss_mask.tolist() == want.loss_mask.tolist()
+            assert got.turn_starts.tolist() == want.turn_starts.tolist()
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+            assert (got.reward, got.truncated) == (want.reward, want.truncated)
+        assert metrics["turns"] > 1
+        _trainer_agrees(manager, config, batch.rollouts)
+    finally:
+        manager.shutdown()
+
+
+def test_an_agent_subprocess_gets_its_endpoint_from_the_environment():
+    kwargs = dict(n_examples=2, n_generations=2, mode="train", seed=5, weight_step=0, worker_id="w")
+    reference, _ = _manager("guess")
+    expected, _ = reference.sample_batch("guess_digit", **kwargs)
+    reference.shutdown()
+    manager, _ = _manager("guess_agent", overrides=['env.client="subprocess"'])
+    try:
+        batch, metrics = manager.sample_batch("guess_agent", **kwargs)
+    finally:
+        manager.shutdown()
+    assert metrics["env_errors"] == 0
+    assert [r.tokens.tolist() for r in batch.rollouts] == [
+        r.tokens.tolist() for r in expected.rollouts
+    ]
+    assert [r.reward for r in batch.rollouts] == [r.reward for r in expected.rollouts]
+
+
+# --- chat completions with the real client ---------------------------------------------------------
+
+
+def test_chat_completions_through_the_openai_client_are_recorded_as_returned(chat):
+    manager, config = chat
+    replies: dict[str, list] = {}
+
+    def agent(problem, endpoint):
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        assert [m.id for m in client.models.list()] == ["qwen3"]
+        messages = [{"role": "user", "content": problem.prompt}]
+        first = client.chat.completions.create(
+            model=endpoint.model, messages=messages, n=3, logprobs=True,
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        messages.append(first.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "user", "content": "!"})
+        chunks = list(
+            client.chat.completions.create(
+                model=endpoint.model, messages=messages, stream=True, max_tokens=3,
+                stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+            )
+        )  # fmt: skip
+        replies[problem.id + endpoint.api_key] = [first, chunks]
+        return 1.0
+
+    AGENT["run"] = agent
+    batch, metrics = _batch(manager)
+    assert metrics["env_errors"] == 0 and len(replies) == 4
+    tokenizer = manager.tokenizer
+    rollouts = batch.rollouts
+    sampled = 0
+    for first, chunks in replies.values():
+        assert first.model == "qwen3" and len(first.choices) == 3
+        for choice in first.choices:
+            ids = choice.model_extra["completion_token_ids"]
+            assert choice.finish_reason in ("stop", "length") and 1 <= len(ids) <= 4
+            assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+                _recorded(rollouts, ids), abs=1e-6
+            )
+            sampled += len(ids)
+        assert first.usage.completion_tokens == sum(
+            len(c.model_extra["completion_token_ids"]) for c in first.choices
+        )
+        # The stream: role and text, then the finish reason, then the usage.
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finish[-1] in ("stop", "length") and chunks[-1].usage.completion_tokens <= 3
+        streamed_ids = chunks[0].choices[0].model_extra["completion_token_ids"]
+        stops = set(tokenizer.stop_ids)
+        assert text == tokenizer.decode([t for t in streamed_ids if t not in stops])
+        sampled += len(streamed_ids)
+    # Three samples of each first call: the first continues into the second call, the other
+    # two are branches of their own; every sampled id is trained once, in its own sample.
+    assert sum(r.num_policy_tokens for r in rollouts) == sampled
+    assert all(r.reward == 1.0 and r.metadata.weight_step == 7 for r in rollouts)
+    assert metrics["agent_splits"] >= 4 * 2  # each episode's two further choices at least
+    _trainer_agrees(manager, config, batch.rollouts)
+
+
+def _episodes(batch):
+    episodes: list[list] = []
+    for r in batch.rollouts:
+        if r.part == 0:
+            episodes.append([])
+        episodes[-1].append(r)
+    return episodes
+
+
+def _recorded(rollouts, ids):
+    """The recorded logprobs of the call whose completion ids are ``ids``, from whichever
+    sample holds them."""
+    for r in rollouts:
+        for start in r.turn_starts:
+            if r.tokens[start : start + len(ids)].tolist() == ids and r.loss_mask[start]:
+                return r.logprobs[start : start + len(ids)].tolist()
+    raise AssertionError(f"completion {ids} is not in the episode's samples")
+
+
+def test_an_edited_history_is_a_flagged_split_and_every_sampled_token_is_trained_once(chat):
+    manager, config = chat
+    sampled: list[int] = []
+
+    def agent(problem, endpoint):
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        history = [{"role": "user", "content": problem.prompt}]
+        for content in ["1", "2"]:
+            reply = client.chat.completions.create(
+                model=endpoint.model, messages=history, extra_body={"return_token_ids": True}
+            ).choices[0]
+            sampled.append(len(reply.model_extra["completion_token_ids"]))
+            history += [{"role": "assistant", "content": reply.message.content}]
+            history += [{"role": "user", "content": content}]
+        # The agent rewrites its first message (a summary, an edited prompt): not a prefix.
+        history[0] = {"role": "user", "content": "9+9="}
+        reply = client.chat.completions.create(
+            model=endpoint.model, messages=history, extra_body={"return_token_ids": True}
+        ).choices[0]
+        sampled.append(len(reply.model_extra["completion_token_ids"]))
+        return Score(0.5, {"calls": 3.0})
+
+    AGENT["run"] = agent
+    batch, metrics = _batch(manager)
+    assert metrics["env_errors"] == 0
+    episodes = _episodes(batch)
+    assert len(episodes) == 4 and metrics["agent_splits"] >= 4
+    for parts in episodes:
+        assert len(parts) >= 2  # the edited history starts a sample of its own
+        last = parts[-1]
+        assert last.num_turns == 1 and last.turn_rewards.tolist() == [0.5]
+        assert "9+9=" in manager.tokenizer.decode(last.tokens[: last.prompt_length].tolist())
+        assert all(r.reward == 0.5 for r in parts)
+    assert sum(r.num_policy_tokens for r in batch.rollouts) == sum(sampled)
+    assert metrics["score/calls"] == 3.0 and metrics["turns"] == 3.0
+    _trainer_agrees(manager, config, batch.rollouts)
+
+
+def test_many_concurrent_episodes_share_generation_calls(chat):
+    manager, _ = chat
+
+    async def agent(problem, endpoint):
+        async with openai.AsyncOpenAI(
+            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
+        ) as client:
+            messages = [{"role": "user", "content": problem.prompt}]
+            for _ in range(3):
+                reply = await client.chat.completions.create(model="x", messages=messages)
+                messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+                messages += [{"role": "user", "content": "?"}]
+        return 0.0
+
+    AGENT["run"] = agent
+    batch, metrics = _batch(manager, n_examples=16, n_generations=4)
+    assert metrics["env_errors"] == 0 and metrics["turns"] == 3.0
+    assert len({r.problem_id for r in batch.rollouts}) == 16
+    server = manager._runner.agent_episodes(config_of(manager)).server
+    # 64 episodes x 3 calls in far fewer generation calls than calls.
+    assert server.generate_calls < 64 * 3 / 4
+
+
+def config_of(manager):
+    return manager.config.episodes
+
+
+# --- failures --------------------------------------------------------------------------------------
+
+
+def test_agent_failures_stay_in_their_episode_and_refusals_say_why(chat):
+    manager, config = chat
+    manager.config = attrs.evolve(
+        config, episodes=attrs.evolve(config.episodes, episode_timeout_s=5.0, max_turns=2)
+    )
+    refusals: dict[str, str] = {}
+    kept: list[AgentEndpoint] = []
+    stop = threading.Event()
+
+    def agent(problem, endpoint):
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+        ask = lambda **kw: client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": problem.prompt}], **kw
+        )
+        role = problem.id.split("-")[-1]
+        if role == "0":  # crashes after a call
+            ask()
+            raise RuntimeError("the agent's own bug")
+        if role == "1":  # hangs (until the test ends)
+            ask()
+            stop.wait(30)
+            return 1.0
+        if role == "2":  # runs into the call limit, and gives up
+            for _ in range(3):
+                try:
+                    ask()
+                except openai.BadRequestError as exc:
+                    refusals["limit"] = str(exc)
+                    raise
+        try:  # a healthy agent that first asks for what the endpoint cannot do
+            ask(top_p=0.5)
+        except openai.BadRequestError as exc:
+            refusals["top_p"] = str(exc)
+        ask()
+        kept.append(endpoint)
+        return 1.0
+
+    AGENT["run"] = agent
+    start = time.monotonic()
+    try:
+        batch, metrics = _batch(manager, n_examples=4, n_generations=1)
+    finally:
+        stop.set()
+        manager.config = config
+    assert time.monotonic() - start < 30
+    # The crash and the hang lose their own problems' groups only.
+    assert metrics["env_errors"] == 1 and metrics["env_timeouts"] == 1
+    by_problem: dict[str, list] = {}
+    for r in batch.rollouts:
+        by_problem.setdefault(r.problem_id.split("-")[-1], []).append(r)
+    assert sorted(by_problem) == ["2", "3"]
+    # The agent at the call limit asked the same question twice (two samples of one prompt:
+    # a branch) before it was refused; trained on, truncated, reward 0.
+    limited = by_problem["2"]
+    assert [(r.num_turns, r.truncated, r.reward) for r in limited] == [(1, True, 0.0)] * 2
+    assert [(r.num_turns, r.reward) for r in by_problem["3"]] == [(1, 1.0)]
+    assert metrics["agent_splits"] == 1
+    assert "episodes.max_turns" in refusals["limit"] and "top_p" in refusals["top_p"]
+    # A call after its episode ended, and a call with a key of no episode.
+    endpoint = kept[0]
+    late = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
+    with pytest.raises(openai.APIStatusError, match="episode has ended") as ended:
+        late.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+    assert ended.value.status_code == 410
+    base = endpoint.base_url.split("/e/")[0] + "/v1"
+    stranger = openai.OpenAI(base_url=base, api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError, match="unknown episode key"):
+        stranger.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+    # The bearer key alone attributes a call (here: to an ended episode).
+    by_key = openai.OpenAI(base_url=base, api_key=endpoint.api_key, max_retries=0)
+    with pytest.raises(openai.APIStatusError, match="episode has ended"):
+        by_key.completions.create(model="m", prompt="1")
+
+
+def test_an_async_agent_that_hangs_is_cancelled_at_the_episode_timeout(chat):
+    manager, config = chat
+    manager.config = attrs.evolve(
+        config, episodes=attrs.evolve(config.episodes, episode_timeout_s=2.0)
+    )
+
+    async def agent(problem, endpoint):
+        if problem.id.endswith("-1"):
+            await asyncio.sleep(3600)
+        return 1.0
+
+    AGENT["run"] = agent
+    try:
+        start = time.monotonic()
+        batch, metrics = _batch(manager, n_examples=2, n_generations=1)
+    finally:
+        manager.config = config
+    assert time.monotonic() - start < 10 and metrics["env_timeouts"] == 1
+    assert batch is None  # the other episode made no call: nothing to train on
