@@ -20,6 +20,7 @@ LAYERS = {
     "rollout": 3,
     "learner": 3,
     "testing": 4,
+    "tiny_checkpoints": 3,  # the tiny Hugging Face checkpoints testing re-exports
     "job": 5,
     "cli": 6,
     "__main__": 7,

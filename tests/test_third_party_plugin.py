@@ -1,6 +1,7 @@
 """The third-party path: pip-install the example plugin packages and use their envs by name
-(``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn) and the
-example loss (``examples/marinrl-reinforce``)."""
+(``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn;
+``examples/marinrl-agent-calculator``, an agent program) and the example loss
+(``examples/marinrl-reinforce``)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from marin_rl_core.testing import check_plugin
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "marinrl-echo"
 COUNTDOWN = EXAMPLE.parent / "marinrl-countdown"
 REINFORCE = EXAMPLE.parent / "marinrl-reinforce"
+AGENT_CALCULATOR = EXAMPLE.parent / "marinrl-agent-calculator"
 
 
 def pip_install(example: Path, target: Path) -> Path:
@@ -49,6 +51,11 @@ def installed_echo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def installed_countdown(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pip_install(COUNTDOWN, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def installed_agent_calculator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(AGENT_CALCULATOR, tmp_path_factory.mktemp("site"))
 
 
 @pytest.fixture(scope="module")
@@ -212,3 +219,45 @@ def test_the_custom_loss_example_trains_through_marinrl_run(
     # The loss's own per-token metric, weighed over each step by the framework.
     assert all(0 < r["importance_weight"] <= 2.0 for r in train)
     assert all(r["num_tokens"] > 0 for r in train)
+
+
+# --- the agent example ---------------------------------------------------------------------------
+
+
+def test_the_agent_example_passes_its_own_tests(installed_agent_calculator):
+    run_own_tests(AGENT_CALCULATOR, installed_agent_calculator)
+
+
+def test_the_unmodified_agent_script_trains_through_marinrl_run(
+    installed_agent_calculator, tmp_path
+):
+    """``marinrl run --env calculator_agent`` on a tiny Qwen3 checkpoint with a tool-calling chat
+    template: each episode runs ``calculator_agent.py`` as a subprocess that reaches the policy
+    through its OpenAI endpoint; the episodes' calls are trained on."""
+    pytest.importorskip("torch")
+    from marin_rl_core.metrics import read_metrics
+    from marin_rl_core.testing import tiny_chat_tokenizer, write_tiny_hf_checkpoint
+
+    checkpoint = write_tiny_hf_checkpoint(
+        tmp_path / "qwen3", "qwen3", template="chatml_tools", max_position_embeddings=640,
+        vocab_size=len(tiny_chat_tokenizer("chatml_tools")),
+    )  # fmt: skip
+    settings = [
+        f'model.checkpoint="{checkpoint}"', "model.max_seq_len=640", "trainer.num_train_steps=2",
+        "trainer.batch_size=8", "eval.n_examples=2",
+        "eval.frequency=100", f'run_dir="{tmp_path}"',
+    ]  # fmt: skip
+    result = marinrl(
+        installed_agent_calculator, "run", "--env", "calculator_agent", "--run-id", "agent",
+        *[arg for setting in settings for arg in ("--set", setting)],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = read_metrics(tmp_path / "agent")
+    train = [r for r in rows if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
+    batches = [r for r in rows if r["source"] == "rollout" and "rollout/turns" in r]
+    assert batches and all(r["rollout/env_errors"] == 0 for r in batches)
+    assert all(r["rollout/turns"] >= 1 and r["rollout/generated_tokens"] > 0 for r in batches)
+    samples = [json.loads(line) for line in (tmp_path / "agent" / "samples.jsonl").open()]
+    # The agent's system prompt and the tool schema it sent reached the policy.
+    assert samples and "calculate" in samples[0]["prompt"]

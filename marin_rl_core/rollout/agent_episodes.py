@@ -102,6 +102,7 @@ class AgentEpisodes:
             host=limits.agent_host,
             port=limits.agent_port,
             batch_window_s=limits.agent_batch_window_s,
+            cohorts=limits.generation_cohorts,
         ).start()
         return cls(server)
 

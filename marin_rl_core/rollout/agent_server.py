@@ -9,8 +9,10 @@ know nothing.
 
 * Batching: the calls of all running episodes wait together and are sampled in the worker's
   generation calls (the sampler the worker trains with, on its current weights). A batch goes
-  as soon as every open episode has a call waiting, or ``episodes.agent_batch_window_s`` after
-  its first call; calls with the same temperature and length budget share one generation call.
+  as soon as a cohort of the open episodes (``1 / episodes.generation_cohorts`` of them) has a
+  call waiting, so that one cohort's calls gather while another's are sampled, or after a hold:
+  ``episodes.agent_batch_window_s``, or half the last generation call's time if that is longer.
+  Calls with the same temperature and length budget share one generation call.
 * Recording: each call's prompt ids, sampled ids and log-probabilities go into the episode's
   :class:`~marin_rl_core.rollout.agent_transcript.Transcript`, which builds the next call's
   prompt from them.
@@ -56,9 +58,6 @@ logger = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 """The longest the server may take to start listening."""
-
-MAX_HOLD_WINDOWS = 20
-"""The longest a call waits for others to batch with, in ``batch_window_s`` units."""
 
 _CLOSED_KEPT = 4096
 """Closed episodes remembered, so that a late call is told its episode ended (410) rather
@@ -108,6 +107,8 @@ class AgentServer:
         model_name: the name ``/v1/models`` lists and responses carry.
         host, port: where to listen (port 0: any free one).
         batch_window_s: how long a call waits for other episodes' calls to batch with.
+        cohorts: a generation call goes once this share (1 / cohorts) of the open episodes has a
+            call waiting (``episodes.generation_cohorts``, as in-process episodes are cohorted).
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class AgentServer:
         host: str = "127.0.0.1",
         port: int = 0,
         batch_window_s: float = 0.005,
+        cohorts: int = 2,
     ):
         self._generate, self._executor = generate, executor
         self.tokenizer = tokenizer
@@ -128,6 +130,7 @@ class AgentServer:
         self.model_name = model_name
         self.host, self.port = host, port
         self.batch_window_s = batch_window_s
+        self.cohorts = max(1, cohorts)
         self._sessions: dict[str, AgentSession] = {}
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -137,6 +140,7 @@ class AgentServer:
         self._wake: asyncio.Event | None = None
         self.generate_seconds = 0.0
         self.generate_calls = 0
+        self._last_generate_s = 0.0
         self.requests = 0
 
     # --- life -------------------------------------------------------------------------------
@@ -397,9 +401,11 @@ class AgentServer:
                 param="messages",
                 code="context_length_exceeded",
             )
-        room = self.max_seq_len - prompt_len
+        # The sampler itself keeps each completion within model.max_seq_len: only the episode's
+        # own token budget lowers the call's (calls with equal budgets share a generation call).
+        room = 1 << 30
         if session.max_sampled:
-            room = min(room, session.max_sampled - session.sampled)
+            room = session.max_sampled - session.sampled
         return room
 
     def _seeds(self, session: AgentSession, request: Request, call: int) -> list[int]:
@@ -482,10 +488,12 @@ class AgentServer:
 
     # --- batching -----------------------------------------------------------------------------
 
-    def _everyone_waiting(self) -> bool:
-        waiting = {job.session.key for job in self._pending}
+    def _cohort_waiting(self) -> bool:
+        """Whether a cohort's share of the open episodes (all of them: ``cohorts = 1``) has a
+        call waiting."""
+        waiting = len({job.session.key for job in self._pending})
         with self._lock:
-            return all(key in waiting for key in self._sessions)
+            return waiting * self.cohorts >= len(self._sessions)
 
     async def _batches(self) -> None:
         assert self._wake is not None
@@ -495,15 +503,14 @@ class AgentServer:
             wake.clear()
             if not self._pending:
                 continue
-            # Batch until every open episode has a call waiting, or no call has come for the
-            # window (calls of many episodes trickle in as their agents read the last replies),
-            # or at most MAX_HOLD_WINDOWS windows.
-            first = time.monotonic()
-            while not self._everyone_waiting():
-                left = min(
-                    self.batch_window_s,
-                    first + MAX_HOLD_WINDOWS * self.batch_window_s - time.monotonic(),
-                )
+            # Batch until a cohort of the open episodes has a call waiting (their calls trickle
+            # in as the agents read the last replies, or start; while one cohort is sampled the
+            # next gathers), or for the hold: the window, or half the last generation call if
+            # longer (fuller calls for at most 1.5x the latency).
+            hold = max(self.batch_window_s, 0.5 * self._last_generate_s)
+            deadline = time.monotonic() + hold
+            while not self._cohort_waiting():
+                left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 wake.clear()
@@ -544,7 +551,8 @@ class AgentServer:
                     job.future.set_exception(exc)
             return
         finally:
-            self.generate_seconds += time.perf_counter() - start
+            self._last_generate_s = time.perf_counter() - start
+            self.generate_seconds += self._last_generate_s
             self.generate_calls += 1
         at = 0
         for job in jobs:

@@ -1,0 +1,198 @@
+"""What does the agent endpoint cost? Rollout tokens/s of agent episodes talking HTTP to the
+worker's OpenAI-compatible endpoint vs the same episodes through the in-process multi-turn API,
+side by side.
+
+Runs 64 concurrent episodes (16 problems x 4 samples) of the default tiny model, each ``--turns``
+actions of up to ``--action-tokens`` tokens answered by a one-token observation, two ways:
+
+* in process: a multi-turn env whose ``step`` answers at once;
+* through HTTP: an agent program per episode (``openai.AsyncOpenAI``, or ``openai.OpenAI`` on a
+  thread with ``--client sync``) that sends the game so far to ``/v1/completions``, appends the
+  reply and the observation, and asks again.
+
+Both sample the very same tokens (the endpoint continues each call from the recorded ids, with
+the same per-episode seeds), so the ratio is the endpoint's overhead alone: HTTP, JSON, the
+client, batching the calls back together. Batches alternate; the median of ``--batches`` each
+is printed. The bar (issue 30): HTTP / in process >= 0.8.
+
+    python bench/agent_endpoint.py [--turns 4] [--action-tokens 16] [--batches 5] [--warm-up 3]
+        [--client async|sync] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import attrs
+
+from marin_rl_core import EnvPlugin, Problem, Step, build_registry, hookimpl
+
+
+@attrs.frozen
+class TalkConfig:
+    turns: int = 4
+    client: str = "async"
+
+
+def _prompt(i: int) -> str:
+    return f"count: cat dog {i % 10}"
+
+
+class TalkEpisode:
+    def __init__(self, config: TalkConfig):
+        self.config, self.turn = config, 0
+
+    def step(self, action) -> Step:
+        self.turn += 1
+        done = self.turn >= self.config.turns
+        return Step(observation="!", reward=float(done), done=done)
+
+
+class TalkEnv:
+    """In process: ``turns`` actions, each answered with ``!``."""
+
+    def __init__(self, config: TalkConfig):
+        self.config = config
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=str(i), prompt=_prompt(i)) for i in range(n)]
+
+    def reset(self, problem):
+        return TalkEpisode(self.config)
+
+
+class TalkAgentEnv:
+    """Through HTTP: the same conversation, as an OpenAI-client program."""
+
+    def __init__(self, config: TalkConfig):
+        self.config = config
+        self._clients: dict[str, object] = {}
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=str(i), prompt=_prompt(i)) for i in range(n)]
+
+    def _client(self, endpoint):
+        if self.config.client not in self._clients:
+            from openai import AsyncOpenAI, OpenAI
+
+            cls = AsyncOpenAI if self.config.client == "async" else OpenAI
+            self._clients[self.config.client] = cls(
+                base_url="http://127.0.0.1/v1", api_key="-", max_retries=0
+            )
+        base = self._clients[self.config.client]
+        return base.with_options(base_url=endpoint.base_url, api_key=endpoint.api_key)
+
+    def run_agent(self, problem, endpoint):
+        client = self._client(endpoint)
+        if self.config.client == "async":
+            return self._talk_async(client, problem.prompt)
+        prompt = problem.prompt
+        for _ in range(self.config.turns):
+            prompt += client.completions.create(model="m", prompt=prompt).choices[0].text + "!"
+        return 1.0
+
+    async def _talk_async(self, client, prompt: str) -> float:
+        for _ in range(self.config.turns):
+            reply = await client.completions.create(model="m", prompt=prompt)
+            prompt += reply.choices[0].text + "!"
+        return 1.0
+
+
+class talk_plugins:
+    @staticmethod
+    @hookimpl
+    def marinrl_register_envs():
+        yield EnvPlugin(name="talk", summary="in process", config_class=TalkConfig, build=TalkEnv)
+        yield EnvPlugin(
+            name="talk_agent", summary="over HTTP", config_class=TalkConfig, build=TalkAgentEnv
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--action-tokens", type=int, default=16)
+    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--warm-up", type=int, default=3, help="batches before measuring")
+    parser.add_argument("--problems", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--client", choices=["async", "sync"], default="async")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args()
+
+    from marin_rl_core.config import resolve_config
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+    from marin_rl_core.rollout.manager import RolloutManager
+
+    registry = build_registry(modules=[talk_plugins])
+    seq = 8 + args.turns * (args.action_tokens + 2)
+    managers = {}
+    for env in ("talk", "talk_agent"):
+        config = resolve_config(
+            registry,
+            selections={"env": env},
+            overrides=[
+                f"env.turns={args.turns}",
+                f'env.client="{args.client}"',
+                f"model.max_seq_len={seq}",
+                f"episodes.max_turns={args.turns}",
+                f"sampling.max_tokens={args.action_tokens}",
+                f"eval.sampling.max_tokens={args.action_tokens}",
+                f"sampling.n_prompts={args.problems}",
+                f"sampling.n_generations_per_prompt={args.samples}",
+                f"trainer.batch_size={args.problems * args.samples}",
+                *args.overrides,
+            ],
+        )
+        tokenizer = model_tokenizer(config.model)
+        managers[env] = RolloutManager(
+            config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
+        )
+
+    def one(env: str, seed: int) -> tuple[float, float, list]:
+        start = time.perf_counter()
+        batch, metrics = managers[env].sample_batch(
+            env, n_examples=args.problems, n_generations=args.samples, mode="train",
+            seed=seed, weight_step=0, worker_id="bench",
+        )  # fmt: skip
+        wall = time.perf_counter() - start
+        tokens = [r.tokens.tolist() for r in batch.rollouts] if batch else []
+        return metrics["generated_tokens"] / wall, metrics["seconds"] / wall, tokens
+
+    for env in managers:  # compile (the endpoint's calls come in several batch heights), start
+        for seed in range(-args.warm_up, 0):
+            one(env, seed)
+    rates: dict[str, list[float]] = {env: [] for env in managers}
+    busy: dict[str, list[float]] = {env: [] for env in managers}
+    same = True
+    for i in range(args.batches):
+        tokens = {}
+        for env in managers:
+            rate, share, tokens[env] = one(env, i + 1)
+            rates[env].append(rate)
+            busy[env].append(share)
+        same = same and tokens["talk"] == tokens["talk_agent"]
+    episodes = args.problems * args.samples
+    print(
+        f"{episodes} concurrent episodes, {args.turns} calls of up to {args.action_tokens} tokens "
+        f"each; agents use the {args.client} OpenAI client"
+    )
+    print(f"{'episodes':>12} {'tokens/s (median)':>18} {'generating':>11}")
+    names = {"talk": "in process", "talk_agent": "HTTP"}
+    for env in managers:
+        print(
+            f"{names[env]:>12} {statistics.median(rates[env]):>18.0f} "
+            f"{statistics.median(busy[env]):>10.0%}"
+        )
+    ratio = statistics.median(rates["talk_agent"]) / statistics.median(rates["talk"])
+    print(f"identical tokens both ways: {same}")
+    print(f"tokens/s through HTTP / in process: {ratio:.2f} (bar: >= 0.8)")
+    for manager in managers.values():
+        manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()
