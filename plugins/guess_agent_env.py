@@ -12,8 +12,9 @@ guess from the reply, play it, append the guess and the feedback, and ask again:
 
 It knows nothing of tokens, weights or rewards: the endpoint records the ids the policy saw and
 sampled (the stop token after each guess included, exactly as the in-process ``guess`` env's
-episodes hold them), and the game's result is the episode's score. The same tiny model learns it
-to the same bar as ``guess`` (``tests/test_agent_learning.py``).
+episodes hold them), and the game's result is the episode's score. Seed for seed it samples the
+rollouts of ``guess`` (``tests/test_agent_endpoint.py``); its learning bar is
+``tests/test_agent_learning.py`` (docs/agents.md#learning).
 
 ``client = "async"`` (the default) runs each agent as a coroutine with ``openai.AsyncOpenAI`` on
 the worker's event loop; ``"sync"`` runs it on a thread with ``openai.OpenAI``; ``"subprocess"``

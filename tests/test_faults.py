@@ -842,11 +842,17 @@ for p in psutil.process_iter(["cmdline"]):
     if session in " ".join(p.info["cmdline"] or []):
         procs[p.pid] = p
 listening = set()
+commands = []
 for p in [me, *procs.values()]:
-    for c in p.net_connections(kind="inet"):
+    try:  # a short-lived worker process may have exited since it was listed
+        connections = p.net_connections(kind="inet")
+        if p is not me:
+            commands.append(" ".join(p.cmdline()))
+    except psutil.NoSuchProcess:
+        continue
+    for c in connections:
         if c.status == psutil.CONN_LISTEN:
             listening.add(c.laddr.ip)
-commands = [" ".join(p.cmdline()) for p in procs.values()]
 from ray._private.node import Node
 restored = all(getattr(Node, name).__name__ == name
                for name in ("start_monitor", "start_api_server", "start_log_monitor"))
