@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import attrs
+from episode_bench import add_episode_args, episode_managers, timed_batch
 
-from marin_rl_core import EnvPlugin, Problem, Step, build_registry, hookimpl
+from marin_rl_core import AgentClients, EnvPlugin, Problem, Step, build_registry, hookimpl
 
 
 @attrs.frozen
@@ -68,21 +68,15 @@ class TalkAgentEnv:
 
     def __init__(self, config: TalkConfig):
         self.config = config
-        self._clients: dict[str, object] = {}
+        self._clients = AgentClients()
 
     def sample_problems(self, n, *, mode, seed):
         return [Problem(id=str(i), prompt=_prompt(i)) for i in range(n)]
 
     def _client(self, endpoint):
-        if self.config.client not in self._clients:
-            from openai import AsyncOpenAI, OpenAI
-
-            cls = AsyncOpenAI if self.config.client == "async" else OpenAI
-            self._clients[self.config.client] = cls(
-                base_url="http://127.0.0.1/v1", api_key="-", max_retries=0
-            )
-        base = self._clients[self.config.client]
-        return base.with_options(base_url=endpoint.base_url, api_key=endpoint.api_key)
+        if self.config.client == "async":
+            return self._clients.asynchronous(endpoint)
+        return self._clients.sync(endpoint)
 
     def run_agent(self, problem, endpoint):
         client = self._client(endpoint)
@@ -112,53 +106,19 @@ class talk_plugins:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--action-tokens", type=int, default=16)
-    parser.add_argument("--batches", type=int, default=5)
+    add_episode_args(parser, problems=16, samples=4, batches=5)
     parser.add_argument("--warm-up", type=int, default=3, help="batches before measuring")
-    parser.add_argument("--problems", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--client", choices=["async", "sync"], default="async")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
     args = parser.parse_args()
 
-    from marin_rl_core.config import resolve_config
-    from marin_rl_core.models.build import initial_model
-    from marin_rl_core.models.tokenizer import model_tokenizer
-    from marin_rl_core.rollout.manager import RolloutManager
-
     registry = build_registry(modules=[talk_plugins])
-    seq = 8 + args.turns * (args.action_tokens + 2)
-    managers = {}
-    for env in ("talk", "talk_agent"):
-        config = resolve_config(
-            registry,
-            selections={"env": env},
-            overrides=[
-                f"env.turns={args.turns}",
-                f'env.client="{args.client}"',
-                f"model.max_seq_len={seq}",
-                f"episodes.max_turns={args.turns}",
-                f"sampling.max_tokens={args.action_tokens}",
-                f"eval.sampling.max_tokens={args.action_tokens}",
-                f"sampling.n_prompts={args.problems}",
-                f"sampling.n_generations_per_prompt={args.samples}",
-                f"trainer.batch_size={args.problems * args.samples}",
-                *args.overrides,
-            ],
-        )
-        tokenizer = model_tokenizer(config.model)
-        managers[env] = RolloutManager(
-            config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
-        )
+    client = [f'env.client="{args.client}"']
+    managers = episode_managers(
+        registry, args, {"talk": ("talk", []), "talk_agent": ("talk_agent", client)}
+    )
 
     def one(env: str, seed: int) -> tuple[float, float, list]:
-        start = time.perf_counter()
-        batch, metrics = managers[env].sample_batch(
-            env, n_examples=args.problems, n_generations=args.samples, mode="train",
-            seed=seed, weight_step=0, worker_id="bench",
-        )  # fmt: skip
-        wall = time.perf_counter() - start
+        wall, batch, metrics = timed_batch(managers[env], env, args, seed)
         tokens = [r.tokens.tolist() for r in batch.rollouts] if batch else []
         return metrics["generated_tokens"] / wall, metrics["seconds"] / wall, tokens
 

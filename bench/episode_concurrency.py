@@ -16,9 +16,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import time
 
 import attrs
+from episode_bench import add_episode_args, episode_managers, timed_batch
 
 from marin_rl_core import EnvPlugin, Problem, Step, build_registry, hookimpl
 
@@ -63,50 +63,16 @@ class wait_plugin:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--delay", type=float, default=0.05)
-    parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--action-tokens", type=int, default=16)
-    parser.add_argument("--batches", type=int, default=6)
-    parser.add_argument("--problems", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    add_episode_args(parser, problems=8, samples=8, batches=6)
     args = parser.parse_args()
 
-    from marin_rl_core.config import resolve_config
-    from marin_rl_core.models.build import initial_model
-    from marin_rl_core.models.tokenizer import model_tokenizer
-    from marin_rl_core.rollout.manager import RolloutManager
-
     registry = build_registry(modules=[wait_plugin])
-    seq = 8 + args.turns * (args.action_tokens + 2)
-    managers = {}
-    for delay in (0.0, args.delay):
-        config = resolve_config(
-            registry,
-            selections={"env": "wait"},
-            overrides=[
-                f"env.delay_s={delay}",
-                f"env.turns={args.turns}",
-                f"model.max_seq_len={seq}",
-                f"sampling.max_tokens={args.action_tokens}",
-                f"eval.sampling.max_tokens={args.action_tokens}",
-                f"sampling.n_prompts={args.problems}",
-                f"sampling.n_generations_per_prompt={args.samples}",
-                f"trainer.batch_size={args.problems * args.samples}",
-                *args.overrides,
-            ],
-        )
-        tokenizer = model_tokenizer(config.model)
-        managers[delay] = RolloutManager(
-            config, registry, model=initial_model(config, tokenizer), tokenizer=tokenizer
-        )
+    managers = episode_managers(
+        registry, args, {d: ("wait", [f"env.delay_s={d}"]) for d in (0.0, args.delay)}
+    )
 
     def one(delay: float, seed: int) -> tuple[float, float, float]:
-        start = time.perf_counter()
-        batch, metrics = managers[delay].sample_batch(
-            "wait", n_examples=args.problems, n_generations=args.samples, mode="train",
-            seed=seed, weight_step=0, worker_id="bench",
-        )  # fmt: skip
-        wall = time.perf_counter() - start
+        wall, _, metrics = timed_batch(managers[delay], "wait", args, seed)
         return metrics["generated_tokens"] / wall, metrics["seconds"] / wall, metrics["turns"]
 
     for delay in managers:  # compile

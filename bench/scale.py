@@ -275,7 +275,9 @@ def report(args: argparse.Namespace, devices: int, got: dict, seconds: float) ->
         f"model {s['parameters'] / 1e6:.0f}M parameters, vocab {s['vocab']}, batch {s['rows']} x "
         f"{s['positions']}, mesh {s['sizes']}, precision {s['precision']}, {s['platform']}"
     )
-    print(f"cross-entropy step       {ce:8.2f} s   RL step {rl:8.2f} s   reference forward {fwd:.2f} s")
+    print(
+        f"cross-entropy step       {ce:8.2f} s   RL step {rl:8.2f} s   reference forward {fwd:.2f} s"
+    )
     print(f"RL / CE                  {rl / ce:8.2f}x")
     print(f"(RL - ref forward) / CE  {(rl - fwd) / ce:8.2f}x   (target <= 1.30x)")
     print(

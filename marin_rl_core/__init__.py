@@ -5,6 +5,7 @@ and cheap to import: nothing here pulls in JAX, levanter or Ray. Modules that ne
 (``marin_rl_core.learner.training_batch``, ``marin_rl_core.models.build`` ...) are imported on demand.
 """
 
+from marin_rl_core.agent_clients import AgentClients
 from marin_rl_core.errors import (
     ConfigError,
     DuplicatePluginError,
@@ -65,6 +66,7 @@ from marin_rl_core.types import (
 __all__ = [
     "PROJECT",
     "Action",
+    "AgentClients",
     "AgentCommand",
     "AgentEndpoint",
     "AgentEnv",

@@ -32,6 +32,7 @@ from marin_rl_plugins.guess_env import default_lessons as guess_lessons
 
 from marin_rl_core import (
     Action,
+    AgentClients,
     AgentCommand,
     AgentEndpoint,
     EnvPlugin,
@@ -91,7 +92,7 @@ class GuessAgentEnv:
 
     def __init__(self, config: GuessAgentEnvConfig):
         self.config = config
-        self._clients: dict[str, object] = {}
+        self._clients = AgentClients()
         self._problems = GuessEnv(
             GuessEnvConfig(max_digit=config.max_digit, max_guesses=config.max_guesses)
         )
@@ -107,28 +108,8 @@ class GuessAgentEnv:
             return AgentCommand(argv=argv)
         game = _game(hidden, self.config.max_digit, self.config.max_guesses)
         if self.config.client == "sync":
-            client = self._client("sync").with_options(
-                base_url=endpoint.base_url, api_key=endpoint.api_key
-            )
-            return play(client, endpoint.model, game)
-        return self._run_async(endpoint, game)
-
-    def _client(self, kind: str):
-        """One client per env (and kind), each episode's a copy with its own base URL and key
-        sharing its connection pool: a client of its own per episode would load the system's
-        CA certificates each time (~30 ms, more than the episode's calls)."""
-        if kind not in self._clients:
-            from openai import AsyncOpenAI, OpenAI
-
-            cls = OpenAI if kind == "sync" else AsyncOpenAI
-            self._clients[kind] = cls(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
-        return self._clients[kind]
-
-    async def _run_async(self, endpoint: AgentEndpoint, game: GuessEpisode) -> Score:
-        client = self._client("async").with_options(
-            base_url=endpoint.base_url, api_key=endpoint.api_key
-        )
-        return await play_async(client, endpoint.model, game)
+            return play(self._clients.sync(endpoint), endpoint.model, game)
+        return play_async(self._clients.asynchronous(endpoint), endpoint.model, game)
 
     def score(self, problem: Problem, result) -> Score:
         """A subprocess's result is its output, whose last line is the reward; the in-process

@@ -15,6 +15,7 @@ import pytest
 from test_episodes import _manager
 
 from marin_rl_core import (
+    AgentClients,
     AgentEndpoint,
     EnvPlugin,
     LessonConfig,
@@ -285,22 +286,27 @@ def test_an_edited_history_is_a_flagged_split_and_every_sampled_token_is_trained
 
 def test_many_concurrent_episodes_share_generation_calls(chat):
     manager, _ = chat
+    clients = AgentClients(pools=4)  # 64 episodes over 4 connection pools
 
     async def agent(problem, endpoint):
-        async with openai.AsyncOpenAI(
-            base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0
-        ) as client:
-            messages = [{"role": "user", "content": problem.prompt}]
-            for _ in range(3):
-                reply = await client.chat.completions.create(model="x", messages=messages)
-                messages += [reply.choices[0].message.model_dump(exclude_none=True)]
-                messages += [{"role": "user", "content": "?"}]
+        client = clients.asynchronous(endpoint)
+        assert str(client.base_url).rstrip("/") == endpoint.base_url.rstrip("/")
+        messages = [{"role": "user", "content": problem.prompt}]
+        for _ in range(3):
+            reply = await client.chat.completions.create(model="x", messages=messages)
+            messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+            messages += [{"role": "user", "content": "?"}]
         return 0.0
 
     AGENT["run"] = agent
     batch, metrics = _batch(manager, n_examples=16, n_generations=4)
+    # Every call reached its own episode: 64 episodes of 3 calls each, each call in one sample
+    # (a reply cut at max_tokens is not a prefix of its re-templated message: a new sample).
     assert metrics["env_errors"] == 0 and metrics["turns"] == 3.0
+    assert sum(len(r.turn_starts) for r in batch.rollouts) == 64 * 3
+    assert len(batch.rollouts) == 64 + metrics["agent_splits"]
     assert len({r.problem_id for r in batch.rollouts}) == 16
+    assert len(clients._clients) == 4
     server = manager._runner.agent_episodes(config_of(manager)).server
     # 64 episodes x 3 calls in far fewer generation calls than calls.
     assert server.generate_calls < 64 * 3 / 4

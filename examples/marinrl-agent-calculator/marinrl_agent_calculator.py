@@ -20,6 +20,7 @@ import attrs
 import numpy as np
 
 from marin_rl_core import (
+    AgentClients,
     AgentCommand,
     AgentEndpoint,
     EnvPlugin,
@@ -50,7 +51,7 @@ class CalculatorAgentEnv:
 
     def __init__(self, config: CalculatorAgentConfig):
         self.config = config
-        self._client = None
+        self._clients = AgentClients()
 
     def sample_problems(self, n: int, *, mode: str, seed: int) -> list[Problem]:
         rng = np.random.default_rng([seed, 0 if mode == "train" else 1])
@@ -67,12 +68,7 @@ class CalculatorAgentEnv:
             return AgentCommand(argv=[sys.executable, str(AGENT), problem.prompt])
         from calculator_agent import solve
 
-        if self._client is None:  # one connection pool; each episode's copy has its own URL
-            from openai import OpenAI
-
-            self._client = OpenAI(base_url="http://127.0.0.1/v1", api_key="-", max_retries=0)
-        client = self._client.with_options(base_url=endpoint.base_url, api_key=endpoint.api_key)
-        return solve(client, endpoint.model, problem.prompt)
+        return solve(self._clients.sync(endpoint), endpoint.model, problem.prompt)
 
     def score(self, problem: Problem, result: str) -> Score:
         numbers = _NUMBER.findall(str(result))
