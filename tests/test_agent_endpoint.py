@@ -299,7 +299,11 @@ def test_many_concurrent_episodes_share_generation_calls(chat):
         return 0.0
 
     AGENT["run"] = agent
+    start = time.perf_counter()
     batch, metrics = _batch(manager, n_examples=16, n_generations=4)
+    wall = time.perf_counter() - start
+    # The agents' time is the batch's time outside generation, not 64 episodes' times summed.
+    assert 0 < metrics["score_seconds"] < wall - metrics["seconds"] + 0.1
     # Every call reached its own episode: 64 episodes of 3 calls each, each call in one sample
     # (a reply cut at max_tokens is not a prefix of its re-templated message: a new sample).
     assert metrics["env_errors"] == 0 and metrics["turns"] == 3.0
@@ -412,3 +416,51 @@ def test_an_async_agent_that_hangs_is_cancelled_at_the_episode_timeout(chat):
         manager.config = config
     assert time.monotonic() - start < 10 and metrics["env_timeouts"] == 1
     assert batch is None  # the other episode made no call: nothing to train on
+
+
+def test_a_cancelled_batch_kills_its_agent_subprocesses(chat, tmp_path):
+    """The job stopping mid-batch (the worker cancels its batch) leaves no agent program
+    running, children of the program included."""
+    import os
+    import sys
+
+    from marin_rl_core import AgentCommand
+    from marin_rl_core.rollout.episode_state import BatchCancelled
+
+    manager, _ = chat
+    script = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\n"
+        "time.sleep(600)\n"
+    )
+    pids = tmp_path / "pids"
+
+    def agent(problem, endpoint):
+        return AgentCommand(argv=[sys.executable, "-c", script, str(pids)])
+
+    AGENT["run"] = agent
+
+    def cancel_when_started():
+        deadline = time.monotonic() + 60
+        while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        manager.cancel()
+
+    cancel = threading.Thread(target=cancel_when_started)
+    cancel.start()
+    with pytest.raises(BatchCancelled):
+        _batch(manager, n_examples=1, n_generations=1)
+    cancel.join()
+    running = []
+    for pid in map(int, pids.read_text().split()):
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            running.append(pid)
+    assert not running, f"agent processes still running after the cancel: {running}"

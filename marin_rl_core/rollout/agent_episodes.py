@@ -209,6 +209,7 @@ class AgentEpisodes:
             for index in range(count)
         ]
         seconds, calls = server.generate_seconds, server.generate_calls
+        started = time.perf_counter()
         results = [EpisodeResult() for _ in range(count)]
 
         async def one(index: int) -> None:
@@ -265,9 +266,12 @@ class AgentEpisodes:
         finally:
             for session in sessions:
                 server.close(session, "its batch was cancelled")
+        generating = server.generate_seconds - seconds
         timing = {
-            "generate_seconds": server.generate_seconds - seconds,
+            "generate_seconds": generating,
             "generate_calls": float(server.generate_calls - calls),
+            # The batch's time outside generation calls: the programs, their clients, HTTP.
+            "agent_seconds": max(time.perf_counter() - started - generating, 0.0),
         }
         return [[results[i * n + k] for k in range(n)] for i in range(len(problems))], timing
 

@@ -250,7 +250,8 @@ class RolloutManager:
         ``prompts_too_long`` (problems dropped because their prompt does not fit
         ``model.max_seq_len``), ``frac_truncated``, ``turns`` (mean actions per episode),
         ``tokens``, ``generated_tokens``, ``seconds`` (in generation calls), ``score_seconds``
-        (in env calls, summed over episodes), ``env_step_seconds`` (mean per env call),
+        (in env calls, summed over episodes; for an agent env, the batch's wall seconds outside
+        generation calls: its programs run concurrently), ``env_step_seconds`` (mean per env call),
         ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
         averaged over the rollouts that report it.
@@ -374,7 +375,7 @@ class RolloutManager:
             "tokens": float(sum(r.num_tokens for r in rollouts_all)),
             "generated_tokens": float(generated),
             "seconds": seconds,
-            "score_seconds": env_seconds,
+            "score_seconds": timing.get("agent_seconds", env_seconds),
             "tokens_per_second": generated / seconds if seconds > 0 else 0.0,
             "env_timeouts": float(timeouts),
             "turns": turns / episodes if episodes else 0.0,
