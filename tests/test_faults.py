@@ -574,6 +574,7 @@ def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
         "--set", "trainer.num_train_steps=1",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    assert "train:" in result.output  # the progress bar, on by default
     saved = (run_dir / "config.toml").read_bytes()
     log = (run_dir / "driver.log").read_bytes()
     for change, named in (
@@ -587,8 +588,12 @@ def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
         assert (run_dir / "config.toml").read_bytes() == saved
         assert (run_dir / "driver.log").read_bytes() == log
     # A change that keeps the checkpoints loadable still resumes (and is saved).
-    resumed = cli("run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=2")
+    resumed = cli(
+        "run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=2",
+        "--set", "logging.progress=false",
+    )  # fmt: skip
     assert resumed.exit_code == 0, resumed.output
+    assert "train:" not in resumed.output  # logging.progress=false: no bar
     assert _train_steps(run_dir) == [1, 2]
     assert "num_train_steps = 2" in (run_dir / "config.toml").read_text()
 

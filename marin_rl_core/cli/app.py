@@ -371,7 +371,7 @@ def _train(cfg: Any, registry: Any) -> None:
 
     job = RLJob(cfg, registry)
     result = job.run(
-        progress=True,
+        progress=bool(cfg.logging.progress),
         on_start=lambda: typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True),
     )
     console = Console(stderr=True)
