@@ -43,7 +43,9 @@ class DefaultCurriculumConfig:
     plateau_factor: weight multiplier for a plateaued lesson.
     """
 
-    ema_alpha: float = attrs.field(default=0.3, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
+    ema_alpha: float = attrs.field(
+        default=0.3, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)]
+    )
     min_weight: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))
     graduated_weight: float = attrs.field(default=0.25, validator=attrs.validators.ge(0.0))
     regression_margin: float = attrs.field(default=0.1, validator=attrs.validators.ge(0.0))

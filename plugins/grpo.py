@@ -35,13 +35,9 @@ class GRPOConfig(PolicyGradientConfig):
     advantage_norm: ``"none"``, ``"group_mean"`` or ``"group_mean_std"`` (module docstring).
     """
 
-    advantage_norm: str = attrs.field(
-        default="group_mean_std", validator=one_of(*ADVANTAGE_NORMS)
-    )
+    advantage_norm: str = attrs.field(default="group_mean_std", validator=one_of(*ADVANTAGE_NORMS))
     kl_coef: float = attrs.field(default=0.01, validator=attrs.validators.ge(0.0))
-    aggregation: str = attrs.field(
-        default="sequence_mean", validator=one_of(*LOSS_AGGREGATIONS)
-    )
+    aggregation: str = attrs.field(default="sequence_mean", validator=one_of(*LOSS_AGGREGATIONS))
 
 
 def grpo_advantages(rewards: np.ndarray, norm: str) -> np.ndarray:

@@ -92,7 +92,9 @@ class MockEnv:
         while len(out) < n:
             attempts += 1
             if attempts > 1000 * n:
-                raise RuntimeError(f"could not draw {n} {mode} problems; widen the mock task's ranges")
+                raise RuntimeError(
+                    f"could not draw {n} {mode} problems; widen the mock task's ranges"
+                )
             problem = self.make_problem(rng)
             if (_eval_bucket(problem.prompt) < self.config.eval_fraction) == want_eval:
                 out.append(problem)

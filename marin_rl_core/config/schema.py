@@ -143,11 +143,6 @@ class MeshConfig:
     fsdp_axis: str = "embed"
     tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads", "kv_head")
 
-    @data_parallel.validator
-    def _check_dp(self, attribute: attrs.Attribute, value: int) -> None:
-        if value != -1 and value < 1:
-            raise FieldValueError(attribute.name, f"must be >= 1 or -1 (all devices), got {value}")
-
 
 def _check_min_lr_ratio(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 1.0:
