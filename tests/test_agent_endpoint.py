@@ -5,6 +5,8 @@ for token; their failures stay in their episodes."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ from test_episodes import _manager
 
 from marin_rl_core import (
     AgentClients,
+    AgentCommand,
     AgentEndpoint,
     EnvPlugin,
     LessonConfig,
@@ -24,6 +27,7 @@ from marin_rl_core import (
     Score,
     hookimpl,
 )
+from marin_rl_core.rollout.episode_state import BatchCancelled
 
 # --- a probe env: each test sets the agent it runs -----------------------------------------------
 
@@ -421,12 +425,6 @@ def test_an_async_agent_that_hangs_is_cancelled_at_the_episode_timeout(chat):
 def test_a_cancelled_batch_kills_its_agent_subprocesses(chat, tmp_path):
     """The job stopping mid-batch (the worker cancels its batch) leaves no agent program
     running, children of the program included."""
-    import os
-    import sys
-
-    from marin_rl_core import AgentCommand
-    from marin_rl_core.rollout.episode_state import BatchCancelled
-
     manager, _ = chat
     script = (
         "import os, subprocess, sys, time\n"
