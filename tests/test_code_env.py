@@ -200,6 +200,17 @@ def test_stdin_problems_from_a_local_file_with_renamed_fields(tmp_path):
     assert good.reward == 1.0 and partial.reward == 0.0
     assert partial.metrics["pass_fraction"] == 0.5
 
+    # The same problems as a dataset directory, read by the Hugging Face datasets library.
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text(path.read_text())
+    by_directory = CodeEnv(
+        CodeEnvConfig(
+            dataset=str(tmp_path / "data"), eval_fraction=0.0,
+            fields={"id": "name", "prompt": "question", "tests": "cases"},
+        )
+    )  # fmt: skip
+    assert [p.id for p in by_directory.train_problems] == ["sum", "echo"]
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "x", "question": "?"}))
     with pytest.raises(ValueError, match="set fields to the column names"):
