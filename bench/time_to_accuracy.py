@@ -139,7 +139,9 @@ def run_seed(seed: int, run_root: Path, args: argparse.Namespace) -> dict[str, A
     log = open(run_root / f"{run_id}.out", "w")
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     launched = time.time()
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # Not this checkout's directory: `python -m` and Ray's workers put the working directory
+    # first on sys.path, which would run this checkout's code under another --python.
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=run_root)
     key = f"eval/{args.lesson}/reward"
     stopped = False
     while process.poll() is None:
@@ -185,7 +187,7 @@ def main() -> None:
             results.append(result)
             print(json.dumps(result), flush=True)
     else:
-        run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="marinrl-bench-"))
+        run_root = Path(args.run_dir or tempfile.mkdtemp(prefix="marinrl-bench-")).resolve()
         run_root.mkdir(parents=True, exist_ok=True)
         for seed in args.seeds:
             result = run_seed(seed, run_root, args)
