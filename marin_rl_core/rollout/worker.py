@@ -486,13 +486,6 @@ class RolloutWorker:
             # Where the worker's time goes: generating and scoring (``seconds``), pulling
             # weights, writing (blocked while storage is full: the trainer is behind), and
             # waiting for newer weights when it is as far ahead as pacing allows.
-            # Worker 0's held-out eval, after the batch is on its way: the trainer trains on it
-            # meanwhile (the step-0 eval overlaps the first steps instead of delaying them).
-            if self.worker_index == 0 and self.weight_step >= self._next_eval:
-                self.evaluate()
-                self._next_eval = (
-                    (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
-                )
             metrics["weight_sync_seconds"] = sync_seconds if synced else 0.0
             metrics.update(self._receive_metrics())
             metrics["weight_errors"] = self.weight_errors
@@ -506,6 +499,15 @@ class RolloutWorker:
             metrics["rollout/batch_index"] = counter - 1
             metrics["rollout/weight_syncs"] = self.weight_syncs
             self._log(metrics, step=max(self.weight_step, 0), source="rollout")
+            # Worker 0's held-out eval, after the batch is on its way and its row logged: the
+            # trainer trains on it meanwhile (the step-0 eval overlaps the first steps instead
+            # of delaying them), and a job whose trainer finishes during the eval still has the
+            # batch's row in its metrics.
+            if self.worker_index == 0 and self.weight_step >= self._next_eval:
+                self.evaluate()
+                self._next_eval = (
+                    (self.weight_step // eval_every + 1) * eval_every if eval_every else 1 << 62
+                )
         return self.counters()
 
     def counters(self) -> dict[str, Any]:
