@@ -335,7 +335,7 @@ def _kill_rollout_worker_0_after_a_step(
     return first, stderr
 
 
-@pytest.mark.parametrize("weights", ["arrow_flight", "jax"])
+@pytest.mark.parametrize("weights", ["arrow_flight", pytest.param("jax", marks=pytest.mark.slow)])
 def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(
     tmp_path, tiny_mock_job, weights
 ):
@@ -378,6 +378,7 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(
     assert all(r["rollout/weights_lag_steps"] >= 0 for r in receives)
 
 
+@pytest.mark.slow
 def test_a_rollout_worker_killed_while_setting_up_is_restarted_counted_and_logged(
     tmp_path, tiny_mock_job
 ):
@@ -409,6 +410,7 @@ def test_a_rollout_worker_killed_while_setting_up_is_restarted_counted_and_logge
     assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
 
 
+@pytest.mark.slow
 def test_a_rollout_worker_restarted_at_the_end_evaluates_the_final_weights(tmp_path, tiny_mock_job):
     """Rollout worker 0 runs the final eval. Killed mid-run and restarted with a long backoff,
     it has not had its run (nor a connection to the trainer) when training ends: it still
@@ -514,7 +516,11 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
         assert uninterrupted[batch] <= _drawn(batch)
 
 
-@pytest.mark.parametrize("group", [False, True], ids=["to-marinrl", "to-its-process-group"])
+@pytest.mark.parametrize(
+    "group",
+    [pytest.param(False, marks=pytest.mark.slow), True],
+    ids=["to-marinrl", "to-its-process-group"],
+)
 def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path, tiny_mock_job, group):
     """SIGTERM to `marinrl run`, or to its whole process group as Slurm's scancel and Kubernetes
     send it (then the Ray processes get it too): a final checkpoint either way."""
@@ -622,7 +628,7 @@ def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_pat
     assert len(rows) < 2000, "the rollout side does not flood the metrics while stalled"
 
 
-@pytest.mark.parametrize("weights", ["arrow_flight", "jax"])
+@pytest.mark.parametrize("weights", ["arrow_flight", pytest.param("jax", marks=pytest.mark.slow)])
 def test_a_weight_server_the_workers_cannot_reach_is_named_by_the_watchdog(
     cli, tmp_path, tiny_mock_job, weights
 ):
@@ -641,6 +647,7 @@ def test_a_weight_server_the_workers_cannot_reach_is_named_by_the_watchdog(
     assert "receiving weights failed" in log and "trying again in" in log
 
 
+@pytest.mark.slow
 def test_a_loss_that_drops_every_group_stops_the_job_naming_the_option(
     cli, tiny_mock_job, tmp_path
 ):
@@ -700,7 +707,7 @@ def marinrl_register_envs():
 """
 
 
-@pytest.mark.parametrize("fault", ["raise", "hang"])
+@pytest.mark.parametrize("fault", ["raise", pytest.param("hang", marks=pytest.mark.slow)])
 def test_an_env_whose_every_step_fails_stops_the_job_at_once_saying_why(
     tmp_path, tiny_mock_job, fault
 ):
@@ -762,6 +769,7 @@ def test_ctrl_c_while_env_steps_hang_stops_without_waiting_for_their_timeout(tmp
     assert "the batch being sampled was cancelled" in log.read_text()
 
 
+@pytest.mark.slow
 def test_the_watchdog_counts_steps_not_logged_rows(cli, tmp_path, tiny_mock_job):
     """Train rows are logged every logging.log_every steps: with it raised (as users do for long
     runs), a healthy job whose steps are each far quicker than faults.stall_timeout_s, but which

@@ -232,7 +232,7 @@ def step_loss_and_grad_norm(loss_name: str, *, micro: int, pack: bool, legacy: b
     return loss, metrics["grad_norm"], metrics
 
 
-@pytest.mark.parametrize("loss_name", ["rloo", "grpo"])
+@pytest.mark.parametrize("loss_name", ["rloo", pytest.param("grpo", marks=pytest.mark.slow)])
 def test_the_same_batch_cut_into_1_2_or_4_micro_batches_packed_or_not_gives_one_loss(loss_name):
     whole, norm, metrics = step_loss_and_grad_norm(loss_name, micro=8, pack=False)
     assert metrics["num_tokens"] > 0 and 0 < metrics["ratio_mean"] < 10
@@ -593,6 +593,7 @@ def test_a_ppo_checkpoint_restores_the_critic_and_its_optimizer_state_exactly(tm
     )
 
 
+@pytest.mark.slow
 def test_a_stopped_and_resumed_ppo_trainer_matches_an_uninterrupted_one(tmp_path):
     """Four trainer steps of ppo (2 epochs x 2 minibatches, a separate critic model), once
     straight through and once stopped after two and resumed from the checkpoint, on the same

@@ -245,7 +245,7 @@ def test_a_storage_that_does_not_answer_is_named_after_bounded_retries(tmp_path,
     assert raised.value.exit_code == ExitCode.STORAGE
 
 
-@pytest.mark.parametrize("where", ["run_dir", "gs"])
+@pytest.mark.parametrize("where", [pytest.param("run_dir", marks=pytest.mark.slow), "gs"])
 def test_a_job_on_gcs_storage_resumes_reading_after_its_checkpoint(
     cli, tiny_mock_job, tmp_path, request, where
 ):
@@ -308,6 +308,7 @@ def test_a_job_whose_bucket_does_not_answer_stops_with_exit_14_naming_it(
     assert "credentials" in result.output
 
 
+@pytest.mark.slow
 def test_a_bucket_that_stops_answering_is_named_by_the_watchdog(
     cli, tiny_mock_job, tmp_path, monkeypatch
 ):

@@ -168,6 +168,7 @@ def test_ray_address_runs_the_job_on_that_cluster(ray_cluster, run_job, tmp_path
     assert trained_steps(run_dir) == [1, 2]
 
 
+@pytest.mark.slow
 def test_without_an_address_the_job_starts_its_own_ray_beside_a_running_cluster(
     ray_cluster, run_job, tmp_path
 ):
@@ -198,6 +199,7 @@ def test_rollout_workers_spread_over_two_nodes_and_the_job_finishes(
     assert trained_steps(run_dir) == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_trainer_over_two_hosts_spans_both_nodes_and_the_job_finishes(
     two_node_cluster, run_job, tmp_path
 ):

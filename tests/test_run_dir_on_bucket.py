@@ -21,6 +21,7 @@ def bucket_files(url: str) -> list[str]:
     return sorted(name[len(path.path) + 1 :] for name in path.fs.find(path.path))
 
 
+@pytest.mark.slow
 def test_a_job_with_its_run_directory_on_a_bucket_resumes_from_another_machine(
     cli, tiny_mock_job, tmp_path, monkeypatch, servers
 ):

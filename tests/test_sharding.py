@@ -91,6 +91,7 @@ def group_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, 
     return {"group": group, "four": four, "resumed": resumed}
 
 
+@pytest.mark.slow  # test_trainer_group runs a group in the default run
 @pytest.mark.parametrize("layout", ["fsdp", "tp"])
 def test_a_trainer_group_of_two_processes_trains_like_one_process(group_runs, layout):
     """2 processes x 2 devices, one mesh: the same losses, gradient norms and parameters after
@@ -109,6 +110,7 @@ def test_a_trainer_group_of_two_processes_trains_like_one_process(group_runs, la
         _assert_same_params(_params(group, layout, step), _params(four, layout, step))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_of_a_trainer_group_resumes_on_one_process(group_runs):
     """Both processes write their shards of the step-1 checkpoint; one process alone reads it
     back and takes the group's step 2."""
@@ -166,7 +168,7 @@ def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
 
 @pytest.mark.parametrize(
     ("devices", "tp", "dtype", "tolerance"),
-    [(4, 4, "float32", 1e-4), (4, 2, "bfloat16", 0.1)],
+    [(4, 4, "float32", 1e-4), pytest.param(4, 2, "bfloat16", 0.1, marks=pytest.mark.slow)],
     ids=["tp4-float32", "tp2-bfloat16"],
 )
 def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scores(

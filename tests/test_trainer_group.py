@@ -117,6 +117,7 @@ def test_the_checkpoint_of_a_trainer_group_resumes_on_one_process(runs):
     assert np.isfinite(resumed["losses"][str(STEPS + 1)])
 
 
+@pytest.mark.slow
 def test_a_job_whose_trainer_spans_two_hosts_stops_on_a_dead_host_and_resumes(
     tmp_path, tiny_mock_job, monkeypatch
 ):
