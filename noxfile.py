@@ -23,15 +23,16 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False)
 def slow(session: nox.Session) -> None:
-    """Run the long-running tests (full training runs that must learn)."""
+    """Run the long-running tests (training runs that must learn, the longest multi-process
+    jobs; docs/development.md)."""
     _install(session, "test")
     session.run("pytest", "-m", "slow", *session.posargs)
 
 
 @nox.session(python=PYTHON, default=False)
 def cluster(session: nox.Session) -> None:
-    """Only the tests on a separately started Ray cluster (`ray start --head`, `--ray-address`);
-    they are in the default `tests` run too."""
+    """All the tests on a separately started Ray cluster (`ray start --head`, `--ray-address`),
+    the two-node ones included (those are marked slow; the others run in `tests` too)."""
     _install(session, "test")
     session.run("pytest", "-m", "cluster", *session.posargs)
 

@@ -316,6 +316,7 @@ class CodeEnv:
 
     def __init__(self, config: CodeEnvConfig):
         self.config = config
+        self._nonce = secrets.token_hex(8)  # marks the harness's report lines (module docstring)
         problems = problems_from_rows(_read_rows(config.dataset, config.split), config.fields)
         if not problems:
             raise ValueError(f"code dataset {config.dataset!r} has no problems")
@@ -369,8 +370,6 @@ class CodeEnv:
             Case(files=files, argv=("harness.py",), stdin=str(test["input"]))
             for test in problem.info["tests"]
         ]
-
-    _nonce = secrets.token_hex(8)
 
     async def run_attempt(self, problem: Problem, response: str) -> Attempt:
         executions = await self.pool.arun(self.cases(problem, response))
@@ -434,9 +433,6 @@ class CodeEnv:
             feedback = f"{passed} of {total} tests passed. The first failure:\n{why}"
         feedback += "\nFix the function and give all of it again in a ```python code block."
         return Attempt(passed, total, status, feedback, seconds)
-
-    def close(self, episode: CodeEpisode) -> None:
-        pass
 
 
 def _explain(execution: Any) -> str:

@@ -179,6 +179,7 @@ def test_without_an_address_the_job_starts_its_own_ray_beside_a_running_cluster(
     assert trained_steps(run_dir) == [1, 2]
 
 
+@pytest.mark.slow  # with its two-node cluster ~110 s; --ray-address runs in the default run
 def test_rollout_workers_spread_over_two_nodes_and_the_job_finishes(
     two_node_cluster, run_job, tmp_path
 ):
