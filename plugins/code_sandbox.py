@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ logger = logging.getLogger(__name__)
 SUPERVISOR = Path(__file__).with_name("sandbox_supervisor.py")
 SYNTAX_EXIT = 121
 """The exit code with which a harness says its program does not compile (see code_env)."""
-STATUSES = ("ok", "error", "syntax_error", "timeout", "memory", "output_limit", "skipped")
 
 ESCAPE_FILE = "/tmp/marinrl-sandbox-escape.txt"
 ATTACKS = {
@@ -118,10 +116,13 @@ class SandboxError(RuntimeError):
     died. The message says what happened."""
 
 
-def _status(result: Mapping[str, Any], limits: SandboxLimits) -> str:
-    code = int(result["exit_code"])
-    if result["signal"]:
-        code = 128 + int(result["signal"])
+def _exit_code(result: Mapping[str, Any]) -> int:
+    """The supervisor's exit code and signal as one code, 128 + the signal as shells write it."""
+    return 128 + int(result["signal"]) if result["signal"] else int(result["exit_code"])
+
+
+def _status(result: Mapping[str, Any]) -> str:
+    code = _exit_code(result)
     if result["timed_out"] or code == 128 + signal.SIGXCPU or code == 128 + signal.SIGKILL:
         return "timeout"
     if code == 128 + signal.SIGXFSZ:
@@ -159,9 +160,6 @@ class SandboxPool:
             self.max_concurrent, thread_name_prefix="code-sandbox"
         )
         self._isolation: dict[str, Any] | None = None
-        self._lock = threading.Lock()
-        self.running = 0
-        self.executions = 0
 
     @property
     def isolation(self) -> dict[str, Any]:
@@ -181,14 +179,7 @@ class SandboxPool:
         Raises:
             SandboxError: the sandbox itself failed.
         """
-        with self._lock:
-            self.running += 1
-        try:
-            return self._supervise(cases, stop_after_timeout=stop_after_timeout)
-        finally:
-            with self._lock:
-                self.running -= 1
-                self.executions += len(cases)
+        return self._supervise(cases, stop_after_timeout=stop_after_timeout)
 
     async def arun(
         self, cases: Sequence[Case], *, stop_after_timeout: bool = True
@@ -245,9 +236,8 @@ class SandboxPool:
                 logger.info("code sandbox on this machine: %s", describe(self._isolation))
             executions.append(
                 Execution(
-                    status=_status(result, self.limits),
-                    exit_code=int(result["exit_code"])
-                    or (128 + int(result["signal"]) if result["signal"] else 0),
+                    status=_status(result),
+                    exit_code=_exit_code(result),
                     stdout=result["stdout"],
                     stderr=result["stderr"],
                     seconds=float(result["seconds"]),
