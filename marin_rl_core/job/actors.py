@@ -277,10 +277,10 @@ class TrainerService(_SetUpError):
         self._check()
         return self.trainer.diagnostics()
 
-    def pacing_feedback(self, worker_id: str) -> tuple[float, int]:
+    def pacing_feedback(self, worker_id: str, worker_index: int) -> tuple[float, int, int]:
         """See :meth:`marin_rl_core.learner.trainer.Trainer.pacing_feedback` (paced workers ask)."""
         self._check()
-        return self.trainer.pacing_feedback(worker_id)
+        return self.trainer.pacing_feedback(worker_id, worker_index)
 
     def run(self) -> int:
         self._check()
@@ -368,9 +368,9 @@ class RolloutService(_SetUpError):
         if trainer is not None:
             import ray
 
-            worker_id = self.worker.worker_id
+            worker_id, worker_index = self.worker.worker_id, self.worker.worker_index
             self.worker.ask_trainer = lambda: tuple(
-                ray.get(trainer.pacing_feedback.remote(worker_id), timeout=5.0)
+                ray.get(trainer.pacing_feedback.remote(worker_id, worker_index), timeout=5.0)
             )
         self._connected = True
 

@@ -252,12 +252,18 @@ class Trainer:
             return 0.0
         return time.monotonic() - max(self._stage_since, self._last_read)
 
-    def pacing_feedback(self, worker_id: str) -> tuple[float, int]:
+    def pacing_feedback(self, worker_id: str, worker_index: int) -> tuple[float, int, int]:
         """What a paced rollout worker asks before it waits for newer weights (thread-safe):
-        :meth:`starved_seconds`, and how many of its rollouts were dropped unused
+        :meth:`starved_seconds`; how many of its rollouts were dropped unused
         (:meth:`~marin_rl_core.learner.replay_buffer.ReplayBuffer.unused_dropped`), which it
-        generates again instead of falling a step behind for the rest of the run."""
-        return self.starved_seconds(), self.replay.unused_dropped(worker_id)
+        generates again instead of falling a step behind for the rest of the run; and how many
+        of worker ``worker_index``'s batches were read (a starved trainer with one of them
+        still on its way needs nothing more from that worker)."""
+        return (
+            self.starved_seconds(),
+            self.replay.unused_dropped(worker_id),
+            self.rollout_positions.get(worker_index, 0),
+        )
 
     def diagnostics(self) -> dict[str, Any]:
         """What the watchdog reports when no step completes (thread-safe reads)."""

@@ -128,11 +128,14 @@ class RolloutWorker:
         self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
         self._last_weights_at: float | None = None
         self._pacing_timeout_logged = False
-        self.ask_trainer: Callable[[], tuple[float, int]] | None = None
+        self._surplus = 0  # training rollouts made past what pacing counts (see _count_generated)
+        self._written_through = 0  # the counter after the last batch written to storage
+        self.ask_trainer: Callable[[], tuple[float, int, int]] | None = None
         """The trainer's answer to a paced worker (set by the job; see
         :meth:`_wait_until_not_ahead`): seconds it has waited for rollouts with none arriving,
-        and how many of this worker's rollouts it dropped without training on them."""
-        self._dropped_seen = 0  # of those, the ones already generated again
+        how many of this worker's rollouts it dropped without training on them, and how many
+        of this worker's batches it has read (the counter after the last one)."""
+        self._dropped_seen = 0  # of those drops, the ones already accounted for
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -275,11 +278,15 @@ class RolloutWorker:
 
     def _count_generated(self, n: int) -> None:
         """Count ``n`` training rollouts made with the current weights for pacing: a weight
-        version counts only up to ``max_rollout_step_delay + 1`` steps' worth."""
+        version counts only up to ``max_rollout_step_delay + 1`` steps' worth; the rest (made
+        because the trainer was short of rollouts) is surplus, which the trainer may drop as
+        stale without the worker owing it anything."""
         cap = (self.config.replay_buffer.max_rollout_step_delay + 1) * self._share
         before = self._generated_at.get(self.weight_step, 0)
         self._generated_at[self.weight_step] = before + n
-        self._usable += min(before + n, cap) - min(before, cap)
+        counted = min(before + n, cap) - min(before, cap)
+        self._usable += counted
+        self._surplus += n - counted
 
     def _wait_until_not_ahead(self) -> float:
         """Wait (watching for a stop) until newer weights let this worker go on; returns the
@@ -288,10 +295,14 @@ class RolloutWorker:
         The trainer can drop rollouts this worker was counted for (stale after a checkpoint or
         an eval held the trainer up, or evicted): before waiting, the worker asks
         (``ask_trainer``) and generates as many again, so it stays ahead of the trainer instead
-        of falling a step behind for the rest of the run. A trainer short of rollouts for
-        another reason (filtered) publishes no newer weights: the worker goes on once the
-        trainer says it has waited ``STARVED_S`` with nothing arriving. A trainer that is busy
-        (its first step compiling, a checkpoint) is waited for. Without an answer from the
+        of falling a step behind for the rest of the run. Drops are first set against the
+        worker's surplus (rollouts made past its count, which are the ones expected to go
+        stale): regenerating those would keep a batch too many in flight for good, one stale
+        batch per step. A trainer short of rollouts for another reason (filtered) publishes no
+        newer weights: the worker goes on once the trainer says it has waited ``STARVED_S``
+        with nothing arriving and has read every batch this worker wrote (a batch still on its
+        way will feed it). A trainer that is busy (its first step compiling, a checkpoint) is
+        waited for. Without an answer from the
         trainer (no job around it, or the trainer is gone) the wait ends after four typical
         intervals between weight updates (at least 2 s); with one, after ``PACED_LIMIT_S`` or
         four typical intervals at most."""
@@ -309,15 +320,19 @@ class RolloutWorker:
             ):
                 asked = now
                 try:
-                    starved, dropped = self.ask_trainer()
+                    starved, dropped, read_through = self.ask_trainer()
                 except Exception:  # noqa: BLE001 - no answer: fall back to the plain bound
                     self.ask_trainer = None
                     continue
                 if dropped > self._dropped_seen:
-                    self._usable -= dropped - self._dropped_seen
-                    self._dropped_seen = dropped
-                    continue
-                if starved >= STARVED_S and waited >= STARVED_S:  # its last batch has arrived
+                    new, self._dropped_seen = dropped - self._dropped_seen, dropped
+                    absorbed = min(new, self._surplus)
+                    self._surplus -= absorbed
+                    if new > absorbed:
+                        self._usable -= new - absorbed
+                        continue
+                arrived = read_through >= self._written_through
+                if starved >= STARVED_S and waited >= STARVED_S and arrived:
                     self._log_pacing_once("the trainer is short of rollouts")
                     break
             bound = limit if self.ask_trainer is not None else fallback
@@ -482,6 +497,7 @@ class RolloutWorker:
                 write_start = time.monotonic()
                 if self._write(batch):
                     self.batches_written += 1
+                    self._written_through = counter
                 write_seconds = time.monotonic() - write_start
             # Where the worker's time goes: generating and scoring (``seconds``), pulling
             # weights, writing (blocked while storage is full: the trainer is behind), and
