@@ -11,6 +11,7 @@ from the same initial weights on the same batches.
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -47,10 +48,22 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, np.nda
     tmp = tmp_path_factory.mktemp("sharding")
     layouts = [f"--layout={name}={overrides}" for name, (overrides, _) in LAYOUTS.items()]
     four = _run(4, tmp / "four.npz", *layouts, "--save", str(tmp / "ckpt"))
-    one = _run(1, tmp / "one.npz", "--layout=base=", "--layout=micro=microbatch_size=2")
-    one_resumed = _run(1, tmp / "one_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
-    two_resumed = _run(2, tmp / "two_resumed.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
-    return {"four": four, "one": one, "one_resumed": one_resumed, "two_resumed": two_resumed}
+    # The 1-device process resumes the checkpoint (its first layout) and takes the plain and
+    # micro-batched steps from scratch; the 2-device resume runs beside it (two cores here).
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        one = pool.submit(
+            _run,
+            1,
+            tmp / "one.npz",
+            "--layout=fsdp=",
+            "--layout=base=",
+            "--layout=micro=microbatch_size=2",
+            "--load",
+            str(tmp / "ckpt"),
+        )
+        two = pool.submit(_run, 2, tmp / "two.npz", "--layout=fsdp=", "--load", str(tmp / "ckpt"))
+        one, two = one.result(), two.result()
+    return {"four": four, "one": one, "one_resumed": one, "two_resumed": two}
 
 
 def run_group(argv: list[str], processes: int) -> None:
