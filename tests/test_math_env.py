@@ -46,6 +46,19 @@ def test_eval_split_is_held_out_and_each_eval_sum_has_its_swap_in_training(env):
     assert {p.prompt for p in other.problems("eval")} != held_out
 
 
+def test_times_tables_to_four_hold_out_swapped_products():
+    """``mul_small``, the default run's second lesson: its 8 held-out products each have their
+    swap in training, and every answer is a number the addition lesson already writes."""
+    small = MathEnv(MathEnvConfig(task="mul_small"))
+    train = {p.prompt: p.answer for p in small.problems("train")}
+    held_out = {p.prompt: p.answer for p in small.problems("eval")}
+    assert len(train) == 17 and len(held_out) == 8
+    for prompt, answer in held_out.items():
+        a, b = prompt[:-1].split("*")
+        assert train[f"{b}*{a}="] == answer == str(int(a) * int(b))
+    assert max(int(x) for x in [*train.values(), *held_out.values()]) == 16
+
+
 def test_hash_split_and_non_commutative_tasks(env):
     hashed = MathEnv(MathEnvConfig(split="hash", eval_fraction=0.2))
     assert len(hashed.problems("eval")) == 20
