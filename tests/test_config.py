@@ -289,3 +289,15 @@ def test_env_token_fractions_name_lesson_envs_and_sum_to_at_most_one(cli):
             selections={"env": "math"},
             overrides=["replay_buffer.env_token_fractions={math = 1.5}"],
         )
+
+
+def test_an_env_of_code_on_the_tiny_default_model_says_to_pass_a_hugging_face_model(cli, tmp_path):
+    """HumanEval prompts and 512-token answers cannot fit the 16 positions of the default
+    arithmetic model: the run stops at once and says which option is missing."""
+    result = cli("run", "--env", "code", "--set", f'run_dir="{tmp_path}"')
+    assert result.exit_code == 3, result.output
+    assert "max_tokens (512) leaves no room for a prompt in $.model.max_seq_len (16)" in (
+        result.output
+    )
+    assert "needs a Hugging Face checkpoint, --model PATH_OR_NAME" in result.output
+    assert not list(tmp_path.iterdir()), "nothing started"

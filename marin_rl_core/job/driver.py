@@ -135,9 +135,11 @@ class RLJob:
         """Checks beyond the config's own: sequence lengths fit the model, lessons exist."""
         errors = []
         max_seq = self.config.model.max_seq_len
+        too_long = False
         for i, lesson in enumerate(self.config.curriculum.lessons):
             sampling = self.config.sampling_for(lesson)
             if sampling.max_tokens >= max_seq:
+                too_long = True
                 where = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
                 errors.append(
                     f"{where}.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in "
@@ -151,6 +153,13 @@ class RLJob:
                     else "$.eval.sampling"
                 )
                 errors.append(f"{where}.max_tokens must be < $.model.max_seq_len ({max_seq})")
+                too_long = True
+        if too_long and not self.config.model.checkpoint:
+            errors.append(
+                "the model is the tiny default one (arithmetic tokens, "
+                f"{max_seq} positions): an env of text or code needs a Hugging Face "
+                "checkpoint, --model PATH_OR_NAME (docs/hf-models.md)"
+            )
         if not self.config.curriculum.lessons:
             errors.append("$.curriculum.lessons: a job needs at least one lesson")
         self._check_resume()
