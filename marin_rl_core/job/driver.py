@@ -135,11 +135,9 @@ class RLJob:
         """Checks beyond the config's own: sequence lengths fit the model, lessons exist."""
         errors = []
         max_seq = self.config.model.max_seq_len
-        too_long = False
         for i, lesson in enumerate(self.config.curriculum.lessons):
             sampling = self.config.sampling_for(lesson)
             if sampling.max_tokens >= max_seq:
-                too_long = True
                 where = f"$.curriculum.lessons[{i}].sampling" if lesson.sampling else "$.sampling"
                 errors.append(
                     f"{where}.max_tokens ({sampling.max_tokens}) leaves no room for a prompt in "
@@ -153,8 +151,7 @@ class RLJob:
                     else "$.eval.sampling"
                 )
                 errors.append(f"{where}.max_tokens must be < $.model.max_seq_len ({max_seq})")
-                too_long = True
-        if too_long and not self.config.model.checkpoint:
+        if errors and not self.config.model.checkpoint:  # so far only lengths that do not fit
             errors.append(
                 "the model is the tiny default one (arithmetic tokens, "
                 f"{max_seq} positions): an env of text or code needs a Hugging Face "

@@ -302,10 +302,9 @@ class RolloutWorker:
         newer weights: the worker goes on once the trainer says it has waited ``STARVED_S``
         with nothing arriving and has read every batch this worker wrote (a batch still on its
         way will feed it). A trainer that is busy (its first step compiling, a checkpoint) is
-        waited for. Without an answer from the
-        trainer (no job around it, or the trainer is gone) the wait ends after four typical
-        intervals between weight updates (at least 2 s); with one, after ``PACED_LIMIT_S`` or
-        four typical intervals at most."""
+        waited for. Without an answer from the trainer (no job around it, or the trainer is
+        gone) the wait ends after four typical intervals between weight updates (at least 2 s);
+        with one, after ``PACED_LIMIT_S`` or four typical intervals at most."""
         start = time.monotonic()
         fallback = max(2.0, 4 * self._weight_interval)
         limit = max(PACED_LIMIT_S, 4 * self._weight_interval)
