@@ -42,7 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval-fraction", type=float, default=0.3)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--lr-schedule", default="cosine", choices=["cosine", "linear", "constant"])
+    p.add_argument("--lr-schedule", default="constant", choices=["cosine", "linear", "constant"])
     p.add_argument("--min-lr-ratio", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--weight-decay", type=float, default=0.5)

