@@ -261,9 +261,9 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
     import haliax as hax
     import levanter.checkpoint
 
-    from marin_rl_core.models.build import _one_axis_mesh
+    from marin_rl_core.models.build import local_data_mesh
 
-    mesh = _one_axis_mesh()
+    mesh = local_data_mesh()
     with hax.partitioning.set_mesh(mesh):
         return levanter.checkpoint.load_checkpoint(
             like,

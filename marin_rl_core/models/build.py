@@ -178,14 +178,16 @@ def publish_copy(tree: Any, dtype: Any) -> Any:
     return jax.tree.map(copy, tree)
 
 
-def _one_axis_mesh() -> Any:
+def local_data_mesh() -> Any:
+    """A one-axis ("data") mesh over this process's devices: what a replicated copy of a model
+    (a checkpoint read outside the trainer's mesh) is placed on."""
     return jax.sharding.Mesh(np.array(jax.devices()), (hax.partitioning.ResourceAxis.DATA,))
 
 
 def _checkpoint_mesh() -> Any:
     """A one-axis ("data") mesh over the local devices: levanter's checkpoint code places and
     gathers arrays with sharding constraints that need a mesh in context."""
-    return hax.partitioning.set_mesh(_one_axis_mesh())
+    return hax.partitioning.set_mesh(local_data_mesh())
 
 
 class _Quiet(logging.Filter):
