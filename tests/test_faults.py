@@ -236,6 +236,13 @@ def test_a_nan_loss_stops_training_and_keeps_the_last_good_checkpoint(cli, tmp_p
     assert leaves and all(bool(np.isfinite(np.asarray(x)).all()) for x in leaves)
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """A shell's background job (`.ci/run &`, `nohup ... &`) hands its children SIGINT ignored;
+    a user's terminal does not. The job under test gets the terminal's default, as Ctrl-C
+    meets it (a test run started in the background failed without it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_mock_job):
     run_dir = tmp_path / "interrupt"
     proc = subprocess.Popen(
@@ -257,9 +264,7 @@ def test_ctrl_c_stops_cleanly_and_leaves_a_resumable_checkpoint(tmp_path, tiny_m
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        # A shell's background job (`.ci/run &`) hands its children SIGINT ignored; a user's
-        # terminal does not. Give the job the terminal's default, as Ctrl-C meets it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
@@ -757,6 +762,7 @@ def test_ctrl_c_while_env_steps_hang_stops_without_waiting_for_their_timeout(tmp
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
                                                            os.environ.get("PYTHONPATH", "")])},
+        preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     _wait_for(proc, "the first batch", lambda: log.exists() and "now sampling" in log.read_text())
     assert "sampler warmed up" in log.read_text()
