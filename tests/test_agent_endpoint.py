@@ -462,3 +462,139 @@ def test_a_cancelled_batch_kills_its_agent_subprocesses(chat, tmp_path):
         else:
             running.append(pid)
     assert not running, f"agent processes still running after the cancel: {running}"
+
+
+# --- agents in env processes (episodes.env_processes) ---------------------------------------------
+
+
+@attrs.frozen
+class SpreadAgentConfig:
+    """What each problem's agent does, by problem index: ``ok`` (two calls, returns its pid),
+    ``raise`` (after a call), ``exit@1`` (ends its process after a call in the batch of seed 1,
+    else ``ok``), ``hang@0`` (async, after a call in the batch of seed 0)."""
+
+    roles: tuple[str, ...] = ("ok", "ok")
+
+
+class SpreadAgentEnv:
+    """An async OpenAI-client agent that children spawned by ``episodes.env_processes`` can
+    import (module-level, no test globals)."""
+
+    def __init__(self, config: SpreadAgentConfig):
+        self.config = config
+        self.clients = AgentClients()
+
+    def sample_problems(self, n, *, mode, seed):
+        return [Problem(id=f"p{seed}-{i}", prompt=f"{i % 10}+{i % 10}=") for i in range(n)]
+
+    async def run_agent(self, problem, endpoint):
+        client = self.clients.asynchronous(endpoint)
+        role = self.config.roles[int(problem.id.split("-")[-1]) % len(self.config.roles)]
+        prompt = problem.prompt
+        reply = await client.completions.create(model="m", prompt=prompt, max_tokens=3)
+        if role == "raise":
+            raise ValueError("the agent's own bug")
+        if role == "exit@1" and problem.id.startswith("p1-"):
+            os._exit(3)
+        if role == "hang@0" and problem.id.startswith("p0-"):
+            await asyncio.sleep(3600)
+        prompt += reply.choices[0].text + "="
+        await client.completions.create(model="m", prompt=prompt, max_tokens=3)
+        return {"pid": os.getpid()}
+
+    def score(self, problem, result):
+        return Score(reward=1.0, metrics={"agent_pid": result["pid"], "score_pid": os.getpid()})
+
+
+class spread_plugin:
+    @staticmethod
+    @hookimpl
+    def marinrl_register_envs():
+        yield EnvPlugin(
+            name="spread_agent",
+            summary="test agent for env processes",
+            config_class=SpreadAgentConfig,
+            build=SpreadAgentEnv,
+            default_lessons=lambda config: [
+                attrs.evolve(lesson, id="spread_agent", env="spread_agent")
+                for lesson in _lessons(config)
+            ],
+        )
+
+
+def _spread(*roles, timeout=30.0):
+    return _manager(
+        "spread_agent",
+        modules=[spread_plugin],
+        overrides=[
+            f"env.roles={list(roles)!r}".replace("'", '"'),
+            "episodes.env_processes=2",
+            f"episodes.episode_timeout_s={timeout}",
+            "model.max_seq_len=32",
+        ],
+    )[0]
+
+
+def _spread_batch(manager, n_examples, seed=0):
+    return manager.sample_batch(
+        "spread_agent", n_examples=n_examples, n_generations=2, mode="train", seed=seed,
+        weight_step=0, worker_id="w",
+    )  # fmt: skip
+
+
+def test_agents_in_env_processes_run_there_and_sample_what_agents_in_the_worker_sample():
+    """``episodes.env_processes`` takes the agents' programs (and their clients' CPU) out of the
+    rollout worker; the episodes are recorded as before, token for token."""
+    in_processes = _spread("ok")
+    try:
+        batch, metrics = _spread_batch(in_processes, n_examples=4, seed=2)
+        pids = set(in_processes.env("spread_agent").pids)
+    finally:
+        in_processes.shutdown()
+    assert metrics["env_errors"] == 0 and len(batch.rollouts) == 8
+    # Score metrics reach the batch as means: half the episodes ran in each process.
+    assert os.getpid() not in pids and len(pids) == 2
+    assert metrics["score/agent_pid"] == metrics["score/score_pid"] == pytest.approx(sum(pids) / 2)
+    assert all(r.num_turns == 2 for r in batch.rollouts)
+    reference, _ = _manager(
+        "spread_agent", modules=[spread_plugin], overrides=["model.max_seq_len=32"]
+    )
+    try:
+        expected, in_worker = _spread_batch(reference, n_examples=4, seed=2)
+    finally:
+        reference.shutdown()
+    assert in_worker["score/agent_pid"] == os.getpid()
+    for got, want in zip(batch.rollouts, expected.rollouts):
+        assert got.tokens.tolist() == want.tokens.tolist()
+        assert got.loss_mask.tolist() == want.loss_mask.tolist()
+        # (calls batched differently: float noise of the batch's shape)
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+
+
+def test_an_agent_failing_in_an_env_process_fails_its_episodes_only(caplog):
+    """An agent that raises or hangs past the episode's time loses its own problem's group;
+    one that ends its process also the episodes running there, and the process is started
+    again for the next batch."""
+    # Problems 0 and 2 run in process 0, 1 and 3 in process 1 (round robin, batch after batch).
+    manager = _spread("raise", "exit@1", "hang@0", "ok", timeout=8.0)
+    try:
+        start = time.monotonic()
+        batch, metrics = _spread_batch(manager, n_examples=4, seed=0)
+        assert time.monotonic() - start < 60
+        # (errors count problems, timeouts episodes: 2 samples of each problem)
+        assert metrics["env_errors"] == 1 and metrics["env_timeouts"] == 2
+        assert {r.problem_id for r in batch.rollouts} == {"p0-1", "p0-3"}
+        assert "ValueError: the agent's own bug (test_agent_endpoint.py:" in caplog.text
+        # Seed 1: problem 1's agent ends process 1, failing problem 3's episodes there too
+        # (unless they finished first); problem 2's agent no longer hangs.
+        batch, metrics = _spread_batch(manager, n_examples=4, seed=1)
+        survivors = {r.problem_id for r in batch.rollouts} if batch else set()
+        assert survivors <= {"p1-2", "p1-3"} and "p1-2" in survivors
+        assert metrics["env_errors"] == 4 - len(survivors) and metrics["env_timeouts"] == 0
+        batch, metrics = _spread_batch(manager, n_examples=4, seed=2)
+        assert metrics["env_process_restarts"] == 1
+        assert "process 1 (pid " in caplog.text
+        assert "is replaced (exit code 3); its episodes failed" in caplog.text
+        assert {r.problem_id for r in batch.rollouts} == {"p2-1", "p2-2", "p2-3"}
+    finally:
+        manager.shutdown()

@@ -410,7 +410,9 @@ class EpisodesConfig:
         env_processes: build each lesson's env in this many processes of its own, so that an
             env that crashes, hangs or burns CPU cannot take the rollout worker down (a dead
             process fails its episodes and is started again; ``rollout/env_process_restarts``).
-            0 runs envs in the rollout worker's process.
+            An agent env's programs run there too, each process running its episodes' agents at
+            once: their ``openai`` clients then take no CPU time or interpreter lock from the
+            worker's sampler (docs/agents.md). 0 runs envs in the rollout worker's process.
         env_threads: plain (not ``async``) ``reset`` and ``step`` calls of different episodes
             run on up to this many threads at once, so that one slow or hung call holds up
             only its own episode; 0 (the default) gives each episode of a batch a thread, so

@@ -25,7 +25,6 @@ import inspect
 import logging
 import os
 import signal
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -113,23 +112,6 @@ class AgentEpisodes:
     def close(self) -> None:
         self._pool.shutdown()
 
-    async def _on_thread(self, fn: Any, *args: Any, timeout: float | None) -> Any:
-        """``fn(*args)`` on an agent thread, bounded by ``timeout``: a call still running then is
-        left behind on its thread (which ends if it ever returns)."""
-        worker: list[threading.Thread] = []
-
-        def call() -> Any:
-            worker.append(threading.current_thread())
-            return fn(*args)
-
-        future = asyncio.wrap_future(self._pool.submit(call))
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except (TimeoutError, asyncio.CancelledError):
-            if worker:
-                self._pool.abandon(worker[0])
-            raise
-
     def _render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return self.tokenizer.encode_chat(template_messages(messages), tools=tools)
 
@@ -156,7 +138,7 @@ class AgentEpisodes:
         if inspect.iscoroutinefunction(run):
             result = await asyncio.wait_for(run(problem, endpoint), left())
         else:
-            result = await self._on_thread(run, problem, endpoint, timeout=left())
+            result = await self._pool.call(run, problem, endpoint, timeout=left())
         if inspect.isawaitable(result):
             result = await asyncio.wait_for(result, left())
         if isinstance(result, AgentCommand):
@@ -168,7 +150,7 @@ class AgentEpisodes:
         timeout = limits.step_timeout_s or None
         if inspect.iscoroutinefunction(score):
             return as_score(await asyncio.wait_for(score(problem, result), timeout)), spent
-        return as_score(await self._on_thread(score, problem, result, timeout=timeout)), spent
+        return as_score(await self._pool.call(score, problem, result, timeout=timeout)), spent
 
     async def run(
         self,

@@ -16,6 +16,15 @@ Messages go over a ``multiprocessing`` pipe to a child this process started (the
 library's pickling), never over the network or through storage. The child is started with
 ``spawn`` (a fresh interpreter, no JAX state inherited) and imports the env's ``build`` and
 config class by name, so both must be importable module-level objects.
+
+An :class:`~marin_rl_core.protocols.AgentEnv` in a pool runs its programs there: the pool is an
+agent env whose ``run_agent`` (and ``score``) run in the problem's process, every episode a
+process holds at once (``async`` ones on its event loop, plain ones on threads). Their
+``openai`` clients then spend the processes' CPU and hold no lock the worker's generation
+thread needs; each talks to the worker's endpoint over loopback as before. An agent that ends
+the process (``os._exit``, a segfault) fails the episodes running there; one that outlives
+``episodes.episode_timeout_s`` is cancelled there (a plain one's thread is left to end on its
+own, its calls refused).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import concurrent.futures
 import itertools
 import logging
 import multiprocessing
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,14 +48,92 @@ class EnvProcessDied(RuntimeError):
     """The env process holding an episode died or was killed."""
 
 
+def _failure(exc: BaseException) -> str:
+    """An exception as the rollout worker sees it: its type, message and where it was raised
+    (the innermost frame: the env's or agent's own line)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+class _ChildAgents:
+    """An agent env's programs in an env process: every episode the process holds at once, an
+    ``async`` ``run_agent`` as a task on the process's event loop (a thread of its own), a plain
+    one on a thread; each answers its call when it ends. ``send`` sends an answer."""
+
+    def __init__(self, env: Any, send: Callable[[tuple[int, bool, Any]], None]):
+        from marin_rl_core.rollout.env_threads import DaemonThreadPool
+
+        self.env, self.send = env, send
+        self.loop = asyncio.new_event_loop()
+        self.tasks: dict[int, asyncio.Task[Any]] = {}
+        self.threads = DaemonThreadPool("marinrl-agents", 4096)
+        threading.Thread(
+            target=self.loop.run_forever, name="marinrl-agent-loop", daemon=True
+        ).start()
+
+    def start(self, call_id: int, episode_id: int, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` (``run_agent`` or ``score``) as episode ``episode_id``'s task."""
+
+        def create() -> None:
+            task = self.loop.create_task(self._answer(call_id, fn, args))
+            self.tasks[episode_id] = task
+            task.add_done_callback(lambda _: self.tasks.pop(episode_id, None))
+
+        self.loop.call_soon_threadsafe(create)
+
+    def cancel(self, episode_id: int) -> None:
+        """The rollout worker gave up on the episode (its time ran out): cancel an ``async``
+        agent; a plain one's thread is left to end on its own (its calls are refused)."""
+
+        def cancel() -> None:
+            task = self.tasks.get(episode_id)
+            if task is not None:
+                task.cancel()
+
+        self.loop.call_soon_threadsafe(cancel)
+
+    async def _answer(self, call_id: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        import inspect
+
+        try:
+            if inspect.iscoroutinefunction(fn):
+                result = await fn(*args)
+            else:
+                result = await self.threads.call(fn, *args)
+            if inspect.isawaitable(result):
+                result = await result
+        except asyncio.CancelledError:
+            self.send((call_id, False, "the episode was cancelled"))
+        except Exception as exc:  # noqa: BLE001 - sent back: it fails that episode only
+            self.send((call_id, False, _failure(exc)))
+        else:
+            self.send((call_id, True, result))
+
+
 def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
-    """The child's loop: build the env, then answer one request at a time."""
+    """The child's loop: build the env, then answer one request at a time (an agent env's
+    programs run beside it, see :class:`_ChildAgents`)."""
     import inspect
 
     from marin_rl_core.rollout.episode_state import SingleTurnEpisodes, as_multi_turn
 
     env = as_multi_turn(build(config))
     episodes: dict[int, Any] = {}
+    agents: _ChildAgents | None = None
+    sending = threading.Lock()
+
+    def send(answer: tuple[int, bool, Any]) -> None:
+        with sending:
+            try:
+                conn.send(answer)
+            except (EOFError, OSError):  # the rollout worker is gone
+                pass
+            except Exception as exc:  # noqa: BLE001 - a result that does not pickle
+                conn.send((answer[0], False, f"its result cannot be sent back: {_failure(exc)}"))
+
     while True:
         try:
             request = conn.recv()
@@ -53,6 +141,17 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
             return
         call_id, op, args = request
         try:
+            if op in ("run_agent", "score_agent"):
+                if agents is None:
+                    agents = _ChildAgents(env, send)
+                episode_id, *rest = args
+                fn = env.run_agent if op == "run_agent" else env.score
+                agents.start(call_id, episode_id, fn, *rest)
+                continue  # answered when it ends
+            if op == "cancel_agent":
+                if agents is not None:
+                    agents.cancel(args[0])
+                continue
             if op == "sample_problems":
                 n, mode, seed = args
                 result: Any = env.sample_problems(n, mode=mode, seed=seed)
@@ -69,6 +168,7 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
                 result = {
                     "single_turn": isinstance(env, SingleTurnEpisodes),
                     "agent": callable(getattr(env, "run_agent", None)),
+                    "score": callable(getattr(env, "score", None)),
                 }
             elif op == "close":
                 episode = episodes.pop(args[0], None)
@@ -78,9 +178,9 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
                 result = None
             else:
                 raise ValueError(f"unknown request {op!r}")
-            conn.send((call_id, True, result))
+            send((call_id, True, result))
         except Exception as exc:  # noqa: BLE001 - sent back, raised in the rollout worker
-            conn.send((call_id, False, f"{type(exc).__name__}: {exc}"))
+            send((call_id, False, f"{type(exc).__name__}: {exc}"))
 
 
 async def _await(awaitable: Any) -> Any:
@@ -115,7 +215,7 @@ class _EnvProcess:
                 break
             with self.lock:
                 future = self.pending.pop(call_id, None)
-            if future is not None:
+            if future is not None and not future.done():  # done: cancelled, nobody waits
                 if ok:
                     future.set_result(payload)
                 else:
@@ -190,10 +290,21 @@ class EnvProcessPool:
         self._next = itertools.cycle(range(n))
         self._assigned: dict[str, int] = {}
         self.restarts = 0
-        described = self._call(self.processes[0], "describe").result(timeout)
+        # Every process built its env before the first batch: its episodes' time limits do not
+        # pay for a process starting.
+        ready = [self._call(process, "describe") for process in self.processes]
+        described = ready[0].result(timeout)
+        for other in ready[1:]:
+            other.result(timeout)
         self.single_turn: bool = bool(described["single_turn"])
-        self.agent: bool = bool(described.get("agent"))  # an AgentEnv: not run in processes
         """Whether the env in the processes is a single-turn env (``score``)."""
+        self.agent: bool = bool(described["agent"])
+        """Whether it is an :class:`~marin_rl_core.protocols.AgentEnv`: then the pool is one too,
+        its programs (and ``score``, if the env has one) run in the processes."""
+        if self.agent:
+            self.run_agent = self._run_agent
+            if described["score"]:
+                self.score = self._score
 
     def _call(self, process: _EnvProcess, op: str, *args: Any) -> concurrent.futures.Future[Any]:
         return process.call(next(self._ids), op, *args)
@@ -238,14 +349,46 @@ class EnvProcessPool:
                 "its process was replaced"
             ) from None
 
-    async def reset(self, problem: Problem) -> _RemoteEpisode:
+    def _process_of(self, problem: Problem) -> _EnvProcess:
         # The episodes of one problem share a process: a crash then fails few groups (a group
         # with a failed episode is dropped whole).
         if problem.id not in self._assigned:
             if len(self._assigned) > 100_000:
                 self._assigned.clear()
             self._assigned[problem.id] = next(self._next)
-        process = self._live(self._assigned[problem.id])
+        return self._live(self._assigned[problem.id])
+
+    async def _in_process(self, op: str, problem: Problem, *args: Any) -> Any:
+        """An agent env's ``op`` (``run_agent``, ``score_agent``) for one episode, in the
+        problem's process; cancelled (the episode's time ran out, its batch was cancelled), it
+        is cancelled there too."""
+        process = self._process_of(problem)
+        episode_id = next(self._ids)
+        future = self._call(process, op, episode_id, problem, *args)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if not process.dead:
+                self._call(process, "cancel_agent", episode_id)
+            raise
+        except RuntimeError as exc:  # the program's error there, or its process died
+            from marin_rl_core.rollout.episode_state import EpisodeFailure
+
+            where = f"in env process {process.index} (pid {process.process.pid})"
+            raise EpisodeFailure("error", f"{exc} [{where}]") from exc
+
+    async def _run_agent(self, problem: Problem, endpoint: Any) -> Any:
+        """``run_agent`` of an agent env (see :attr:`agent`): the program runs in a process of
+        the pool, concurrently with the others there; its result comes back (pickled over the
+        pipe: it must pickle). An :class:`~marin_rl_core.types.AgentCommand` it returns is
+        started by the rollout worker, as always."""
+        return await self._in_process("run_agent", problem, endpoint)
+
+    async def _score(self, problem: Problem, result: Any) -> Any:
+        return await self._in_process("score_agent", problem, result)
+
+    async def reset(self, problem: Problem) -> _RemoteEpisode:
+        process = self._process_of(problem)
         episode_id = next(self._ids)
         try:
             await asyncio.wrap_future(self._call(process, "reset", episode_id, problem))

@@ -4,6 +4,7 @@ growing past :data:`MAX_HUNG_THREADS`."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import queue
 import threading
@@ -84,6 +85,26 @@ class DaemonThreadPool:
             else:
                 self._idle -= 1  # that idle thread takes this call
         return future
+
+    async def call(
+        self, fn: Callable[..., Any], /, *args: Any, timeout: float | None = None
+    ) -> Any:
+        """``fn(*args)`` on a thread of the pool, awaited for at most ``timeout`` seconds: a call
+        cut off then (or cancelled) is left behind on its thread, which is :meth:`abandon` ed
+        (it ends if the call ever returns)."""
+        worker: list[threading.Thread] = []
+
+        def run() -> Any:
+            worker.append(threading.current_thread())
+            return fn(*args)
+
+        future = asyncio.wrap_future(self.submit(run))
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            if worker:
+                self.abandon(worker[0])
+            raise
 
     @property
     def stuck(self) -> int:

@@ -186,19 +186,11 @@ class RolloutManager:
             if processes:
                 from marin_rl_core.rollout.env_pool import EnvProcessPool
 
-                pool = EnvProcessPool(build, env_config, processes, name=f"{name} ({lesson_id})")
-                if not pool.agent:
-                    self._envs[lesson_id] = pool
-                else:  # an agent's program isolates itself: an AgentCommand is a subprocess
-                    pool.shutdown()
-                    logger.info(
-                        "lesson %s: %s is an agent env: its agents run in this worker (threads, "
-                        "its event loop, or the subprocesses its AgentCommands start), not in "
-                        "episodes.env_processes",
-                        lesson_id,
-                        name,
-                    )
-            if lesson_id not in self._envs:
+                # An agent env's pool is an agent env: its programs run in the processes.
+                self._envs[lesson_id] = EnvProcessPool(
+                    build, env_config, processes, name=f"{name} ({lesson_id})"
+                )
+            else:
                 self._envs[lesson_id] = as_multi_turn(build(env_config))
         return self._envs[lesson_id]
 
