@@ -3,7 +3,7 @@ worker's OpenAI-compatible endpoint vs the same episodes through the in-process 
 side by side.
 
 Runs 64 concurrent episodes (16 problems x 4 samples) of the default tiny model, each ``--turns``
-actions of up to ``--action-tokens`` tokens answered by a one-token observation, two ways:
+actions of up to ``--action-tokens`` tokens answered by a one-token observation, three ways:
 
 * in process: a multi-turn env whose ``step`` answers at once;
 * through HTTP: an agent program per episode (``openai.AsyncOpenAI``, or ``openai.OpenAI`` on a
@@ -12,10 +12,13 @@ actions of up to ``--action-tokens`` tokens answered by a one-token observation,
   again in ``--processes`` env processes (``episodes.env_processes``: the clients' Python off
   the worker's interpreter; 0 skips it).
 
-Both sample the very same tokens (the endpoint continues each call from the recorded ids, with
+All sample the very same tokens (the endpoint continues each call from the recorded ids, with
 the same per-episode seeds), so the ratio is the endpoint's overhead alone: HTTP, JSON, the
-client, batching the calls back together. Batches alternate; the median of ``--batches`` each
-is printed. The bar (issue 30): HTTP / in process >= 0.8.
+client, batching the calls back together. Batches alternate, ``--batches`` of each way; the
+median is taken over the batches that compiled nothing (the steady state: a shape compiles
+once, and the compile cache keeps it), and the table says how many those were and how many
+compilations the others met. Warm-up goes on past ``--warm-up`` batches until one compiles
+nothing (at most 3x as many). The bar (issue 30): HTTP / in process >= 0.8.
 
     python bench/agent_endpoint.py [--turns 4] [--action-tokens 16] [--batches 5] [--warm-up 3]
         [--client async|sync] [--processes 4] [--set KEY=VALUE ...]
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from typing import Any
 
 import attrs
 from episode_bench import add_episode_args, episode_managers, timed_batch
@@ -106,6 +110,20 @@ class talk_plugins:
         )
 
 
+def _compilations() -> Any:
+    """A counter of the XLA compilations since it was made (JAX's monitoring events)."""
+    import jax.monitoring
+
+    count = [0]
+
+    def listen(event: str, seconds: float, **kwargs: Any) -> None:
+        if "backend_compile" in event:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    return lambda: count[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_episode_args(parser, problems=16, samples=4, batches=5)
@@ -130,16 +148,28 @@ def main() -> None:
         tokens = [r.tokens.tolist() for r in batch.rollouts] if batch else []
         return metrics["generated_tokens"] / wall, metrics["seconds"] / wall, tokens
 
-    for env in managers:  # compile (the endpoint's calls come in several batch heights), start
-        for seed in range(-args.warm_up, 0):
-            one(env, seed)
+    compiled = _compilations()
+    # Warm up: compile (the endpoint's calls come in batches of several heights and widths,
+    # grouped as they arrive) and start everything; go on past --warm-up batches until one
+    # compiles nothing (at most 3x as many), so the measured batches measure no compilation.
+    for env in managers:
+        for k in range(3 * args.warm_up):
+            before = compiled()
+            one(env, -1 - k)
+            if k + 1 >= args.warm_up and compiled() == before:
+                break
     rates: dict[str, list[float]] = {env: [] for env in managers}
     busy: dict[str, list[float]] = {env: [] for env in managers}
+    compiles = dict.fromkeys(managers, 0)
     same = True
     for i in range(args.batches):
         tokens = {}
         for env in managers:
+            before = compiled()
             rate, share, tokens[env] = one(env, i + 1)
+            if compiled() > before:  # a shape met for the first time: not the steady state
+                compiles[env] += compiled() - before
+                continue
             rates[env].append(rate)
             busy[env].append(share)
         same = same and all(t == tokens["talk"] for t in tokens.values())
@@ -156,13 +186,16 @@ def main() -> None:
     width = max(len(names[env]) for env in managers)
     print(
         f"{'episodes':>{width}} {'tokens/s (median)':>18} {'generating':>11} {'/ in process':>13}"
+        f" {'batches kept':>12} {'compilations in the others':>26}"
     )
+    if not all(rates.values()):
+        raise SystemExit("every measured batch of a variant compiled: run with more --batches")
     base = statistics.median(rates["talk"])
     for env in managers:
         rate = statistics.median(rates[env])
         print(
             f"{names[env]:>{width}} {rate:>18.0f} {statistics.median(busy[env]):>10.0%} "
-            f"{rate / base:>13.2f}"
+            f"{rate / base:>13.2f} {len(rates[env]):>12} {compiles[env]:>26}"
         )
     print(f"identical tokens every way: {same}")
     best = max(statistics.median(rates[env]) for env in managers if env != "talk") / base
