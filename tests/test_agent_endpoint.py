@@ -127,8 +127,14 @@ def _trainer_agrees(manager, config, rollouts, temperature=1.0):
 # --- the guess game as an agent --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("client", ["async", "sync"])
-def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_samples(client):
+@pytest.mark.parametrize(
+    ("client", "processes"),
+    [("async", 0), ("sync", 0), ("async", 2)],
+    ids=["async", "sync", "async-in-env-processes"],
+)
+def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_samples(
+    client, processes
+):
     """The guess game written as an OpenAI-client loop over text completions gives, seed for
     seed, the very rollouts of the in-process ``guess`` env: the same ids (stop tokens and
     feedback included, nothing re-tokenized), loss masks, logprobs and rewards; and the
@@ -137,7 +143,10 @@ def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_s
     reference, _ = _manager("guess")
     expected, _ = reference.sample_batch("guess_digit", **kwargs)
     reference.shutdown()
-    manager, config = _manager("guess_agent", overrides=[f'env.client="{client}"'])
+    manager, config = _manager(
+        "guess_agent",
+        overrides=[f'env.client="{client}"', f"episodes.env_processes={processes}"],
+    )
     try:
         batch, metrics = manager.sample_batch("guess_agent", **kwargs)
         assert metrics["env_errors"] == 0 and metrics["agent_splits"] == 0
@@ -542,9 +551,11 @@ def _spread_batch(manager, n_examples, seed=0):
     )  # fmt: skip
 
 
-def test_agents_in_env_processes_run_there_and_sample_what_agents_in_the_worker_sample():
+def test_agents_in_env_processes_run_there_and_sample_what_agents_in_the_worker_sample(caplog):
     """``episodes.env_processes`` takes the agents' programs (and their clients' CPU) out of the
-    rollout worker; the episodes are recorded as before, token for token."""
+    rollout worker; the episodes are recorded as before, token for token. Agents left in the
+    worker get a hint that says so."""
+    caplog.set_level("INFO", logger="marin_rl_core.rollout.manager")
     in_processes = _spread("ok")
     try:
         batch, metrics = _spread_batch(in_processes, n_examples=4, seed=2)
@@ -564,6 +575,7 @@ def test_agents_in_env_processes_run_there_and_sample_what_agents_in_the_worker_
     finally:
         reference.shutdown()
     assert in_worker["score/agent_pid"] == os.getpid()
+    assert "episodes.env_processes = N runs them in N processes" in caplog.text
     for got, want in zip(batch.rollouts, expected.rollouts):
         assert got.tokens.tolist() == want.tokens.tolist()
         assert got.loss_mask.tolist() == want.loss_mask.tolist()

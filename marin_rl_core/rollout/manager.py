@@ -192,6 +192,15 @@ class RolloutManager:
                 )
             else:
                 self._envs[lesson_id] = as_multi_turn(build(env_config))
+                if is_agent_env(self._envs[lesson_id]):
+                    logger.info(
+                        "lesson %s: %s's agent programs run in this rollout worker's process, "
+                        "where their clients' Python shares one interpreter with the sampler; "
+                        "episodes.env_processes = N runs them in N processes of their own "
+                        "(docs/agents.md#agents-in-processes-of-their-own)",
+                        lesson_id,
+                        name,
+                    )
         return self._envs[lesson_id]
 
     def _env_error(self, lesson_id: str, what: str, exc: Exception, *, quiet: bool = False) -> None:
