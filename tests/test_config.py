@@ -5,6 +5,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import attrs
 import pytest
 
 from marin_rl_core import ExitCode, build_registry
@@ -217,6 +218,38 @@ def test_a_partial_table_overrides_only_its_keys():
     assert config.eval.sampling.temperature == default.eval.sampling.temperature == 0.0
     assert config.eval.sampling.n_generations_per_prompt == 1
     assert config.sampling == default.sampling
+
+
+def test_set_indexes_the_env_plugins_default_lessons(cli):
+    """With no lessons in the config the job runs the env's default ones: ``--set
+    curriculum.lessons[I]...`` changes lesson I of those and leaves the others as they were;
+    an index past them names the lessons there are."""
+    registry = build_registry()
+    default = resolve_config(registry, selections={"env": "math"})
+    config = resolve_config(
+        registry,
+        selections={"env": "math"},
+        overrides=[
+            "curriculum.lessons[1].sampling.max_tokens=8",
+            "curriculum.lessons[1].eval_sampling.max_tokens=8",
+        ],
+    )
+    lessons, before = config.curriculum.lessons, default.curriculum.lessons
+    assert [x.id for x in lessons] == [x.id for x in before] and len(lessons) == 5
+    assert lessons[1].dependencies == before[1].dependencies  # the rest of the lesson kept
+    assert lessons[0] == before[0] and lessons[2:] == before[2:]
+    # A lesson's partial tables override the run's key by key: only max_tokens changed, and
+    # its eval is still greedy.
+    sampling, evaluated = config.sampling_for(lessons[1]), config.eval_sampling_for(lessons[1])
+    assert default.sampling_for(before[1]).max_tokens != 8
+    assert sampling == attrs.evolve(default.sampling_for(before[1]), max_tokens=8)
+    assert evaluated == attrs.evolve(default.eval_sampling_for(before[1]), max_tokens=8)
+    assert evaluated.temperature == 0.0
+    result = cli("config", "show", "--set", "curriculum.lessons[7].sampling.max_tokens=8")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "index 7 is out of range: curriculum.lessons has 5 items ([0] add_1digit, [1] " in (
+        result.output
+    )
 
 
 def test_a_config_file_that_is_not_utf8_is_a_config_error(cli, tmp_path):

@@ -93,8 +93,7 @@ def _apply_override(data: dict[str, Any], path: Sequence[str | int], value: Any,
     for i, key in enumerate(path[:-1]):
         nxt = path[i + 1]
         if isinstance(key, int):
-            if not isinstance(node, list) or key >= len(node):
-                raise ConfigError(f"--set {text!r}: index {key} is out of range")
+            _check_index(node, key, path[:i], text)
             node = node[key]
             continue
         if key not in node or node[key] is None:
@@ -102,9 +101,21 @@ def _apply_override(data: dict[str, Any], path: Sequence[str | int], value: Any,
         node = node[key]
     last = path[-1]
     if isinstance(last, int):
-        if not isinstance(node, list) or last >= len(node):
-            raise ConfigError(f"--set {text!r}: index {last} is out of range")
+        _check_index(node, last, path[:-1], text)
     node[last] = value
+
+
+def _check_index(node: Any, index: int, where: Sequence[str | int], text: str) -> None:
+    if isinstance(node, list) and index < len(node):
+        return
+    name = ".".join(str(p) for p in where)
+    if not isinstance(node, list):
+        raise ConfigError(f"--set {text!r}: {name} is not a list, so [{index}] cannot index it")
+    ids = [x.get("id") for x in node if isinstance(x, dict) and x.get("id")]
+    has = f"{len(node)} item{'s' if len(node) != 1 else ''}"
+    if ids:
+        has += " (" + ", ".join(f"[{i}] {x}" for i, x in enumerate(ids)) + ")"
+    raise ConfigError(f"--set {text!r}: index {index} is out of range: {name} has {has}")
 
 
 def _check_plugin_names(data: Mapping[str, Any], registry: Registry) -> None:
@@ -163,29 +174,29 @@ def resolve_config(
             if not isinstance(section, dict):
                 raise ConfigError(f"$.{kind}: expected a table, got {type(section).__name__}")
             section["name"] = name
-    for text in overrides:
-        path, value = parse_override(text)
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    # `--set curriculum.lessons[I]...` with no lessons in the config: the lessons the job would
+    # run are the env plugin's defaults, so index those (the other overrides decide the env).
+    into_lessons = [o for o in parsed if o[1][:2] == ["curriculum", "lessons"] and len(o[1]) > 2]
+    if into_lessons and not _lessons_of(merged):
+        others = json.loads(json.dumps(merged))
+        for text, path, value in parsed:
+            if (text, path, value) not in into_lessons:
+                _apply_override(others, path, value, text)
+        defaults = _structure(others, registry).curriculum.lessons
+        converter = make_converter(registry)
+        curriculum = merged.setdefault("curriculum", {})
+        if not isinstance(curriculum, dict):
+            raise ConfigError(f"$.curriculum: expected a table, got {type(curriculum).__name__}")
+        curriculum["lessons"] = [drop_none(converter.unstructure(x)) for x in defaults]
+    for text, path, value in parsed:
         _apply_override(merged, path, value, text)
-    _check_plugin_names(merged, registry)
     model_section = merged.get("model")
     derive_seq_len = not isinstance(model_section, dict) or "max_seq_len" not in model_section
     if isinstance(model_section, dict) and model_section.get("max_seq_len") == "auto":
         del model_section["max_seq_len"]
         derive_seq_len = True
-    converter = make_converter(registry)
-    # Partial tables override the defaults key by key: `--set eval.sampling.max_tokens=5` keeps
-    # eval's greedy temperature rather than rebuilding SamplingParams from its class defaults.
-    # (Plugin sections unstructure to just their name here, so a plugin's keys always start
-    # from the defaults of the plugin the section selects.)
-    merged = _merged(drop_none(converter.unstructure(RLJobConfig())), merged)
-    try:
-        config = converter.structure(merged, RLJobConfig)
-    except (ClassValidationError, IterableValidationError) as exc:
-        raise ConfigError("invalid config:\n" + format_structure_error(exc, merged)) from exc
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid config: {exc}") from exc
-    config = _fill_plugin_defaults(config, registry, converter)
-    validate_config(config, registry, converter)
+    config = _structure(merged, registry)
     if derive_seq_len and config.model.checkpoint:
         from marin_rl_core.config.sequence_length import derive_max_seq_len
 
@@ -194,6 +205,41 @@ def resolve_config(
         logger.info("%s", note)
         if notes is not None:
             notes.append(note)
+    return config
+
+
+def _lessons_of(data: Mapping[str, Any]) -> Any:
+    curriculum = data.get("curriculum")
+    return curriculum.get("lessons") if isinstance(curriculum, Mapping) else None
+
+
+def _structure(merged: dict[str, Any], registry: Registry) -> RLJobConfig:
+    """The config that ``merged`` (files, selections and overrides, as plain data) describes:
+    structured over the class defaults, plugin defaults filled in (the env's default lessons
+    among them), validated."""
+    _check_plugin_names(merged, registry)
+    converter = make_converter(registry)
+    # Partial tables override the defaults key by key: `--set eval.sampling.max_tokens=5` keeps
+    # eval's greedy temperature rather than rebuilding SamplingParams from its class defaults.
+    # (Plugin sections unstructure to just their name here, so a plugin's keys always start
+    # from the defaults of the plugin the section selects.)
+    merged = _merged(drop_none(converter.unstructure(RLJobConfig())), merged)
+    # So do a lesson's own tables, over the run's: `sampling = {max_tokens = 8}` keeps the run's
+    # temperature, `eval_sampling = {max_tokens = 8}` stays greedy.
+    run_tables = {"sampling": merged.get("sampling"), "eval_sampling": merged["eval"]["sampling"]}
+    for lesson in _lessons_of(merged) or []:
+        for key, run in run_tables.items():
+            if isinstance(lesson, dict) and isinstance(lesson.get(key), dict):
+                if isinstance(run, dict):
+                    lesson[key] = _merged(run, lesson[key])
+    try:
+        config = converter.structure(merged, RLJobConfig)
+    except (ClassValidationError, IterableValidationError) as exc:
+        raise ConfigError("invalid config:\n" + format_structure_error(exc, merged)) from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"invalid config: {exc}") from exc
+    config = _fill_plugin_defaults(config, registry, converter)
+    validate_config(config, registry, converter)
     return config
 
 
