@@ -173,6 +173,8 @@ def main() -> None:
             rates[env].append(rate)
             busy[env].append(share)
         same = same and all(t == tokens["talk"] for t in tokens.values())
+    if not all(rates.values()):
+        raise SystemExit("every measured batch of a variant compiled: run with more --batches")
     episodes = args.problems * args.samples
     print(
         f"{episodes} concurrent episodes, {args.turns} calls of up to {args.action_tokens} tokens "
@@ -188,8 +190,6 @@ def main() -> None:
         f"{'episodes':>{width}} {'tokens/s (median)':>18} {'generating':>11} {'/ in process':>13}"
         f" {'batches kept':>12} {'compilations in the others':>26}"
     )
-    if not all(rates.values()):
-        raise SystemExit("every measured batch of a variant compiled: run with more --batches")
     base = statistics.median(rates["talk"])
     for env in managers:
         rate = statistics.median(rates[env])

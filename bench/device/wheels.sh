@@ -16,7 +16,8 @@ grpc-google-iam-v1 haliax humanfriendly jiter jmp jsonpointer jsonschema jsonsch
 levanter marshmallow mergedeep multiprocess openai orderly-set pydantic pydantic_core pytimeparse
 pytz referencing rfc3339-validator rpds-py smmap sniffio tblib tqdm-loggable typing-inspection
 zstandard equinox optax chex jaxtyping wadler_lindig flax transformers huggingface_hub tokenizers"
-pins=$(for n in $names; do python -c "import importlib.metadata as m; print('$n=='+m.version('$n'))"; done)
+# shellcheck disable=SC2086
+pins=$(python -c 'import importlib.metadata as m, sys; print(*(f"{n}=={m.version(n)}" for n in sys.argv[1:]))' $names)
 mkdir -p .whl
 # shellcheck disable=SC2086
 python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -175,16 +175,15 @@ def resolve_config(
                 raise ConfigError(f"$.{kind}: expected a table, got {type(section).__name__}")
             section["name"] = name
     parsed = [(text, *parse_override(text)) for text in overrides]
+    converter = make_converter(registry)
     # `--set curriculum.lessons[I]...` with no lessons in the config: the lessons the job would
     # run are the env plugin's defaults, so index those (the other overrides decide the env).
-    into_lessons = [o for o in parsed if o[1][:2] == ["curriculum", "lessons"] and len(o[1]) > 2]
-    if into_lessons and not _lessons_of(merged):
+    if any(_indexes_lessons(path) for _, path, _ in parsed) and not _lessons_of(merged):
         others = json.loads(json.dumps(merged))
         for text, path, value in parsed:
-            if (text, path, value) not in into_lessons:
+            if not _indexes_lessons(path):
                 _apply_override(others, path, value, text)
-        defaults = _structure(others, registry).curriculum.lessons
-        converter = make_converter(registry)
+        defaults = _structure(others, registry, converter).curriculum.lessons
         curriculum = merged.setdefault("curriculum", {})
         if not isinstance(curriculum, dict):
             raise ConfigError(f"$.curriculum: expected a table, got {type(curriculum).__name__}")
@@ -196,7 +195,8 @@ def resolve_config(
     if isinstance(model_section, dict) and model_section.get("max_seq_len") == "auto":
         del model_section["max_seq_len"]
         derive_seq_len = True
-    config = _structure(merged, registry)
+    config = _structure(merged, registry, converter)
+    validate_config(config, registry, converter)
     if derive_seq_len and config.model.checkpoint:
         from marin_rl_core.config.sequence_length import derive_max_seq_len
 
@@ -208,17 +208,20 @@ def resolve_config(
     return config
 
 
+def _indexes_lessons(path: Sequence[str | int]) -> bool:
+    return list(path[:2]) == ["curriculum", "lessons"] and len(path) > 2
+
+
 def _lessons_of(data: Mapping[str, Any]) -> Any:
     curriculum = data.get("curriculum")
     return curriculum.get("lessons") if isinstance(curriculum, Mapping) else None
 
 
-def _structure(merged: dict[str, Any], registry: Registry) -> RLJobConfig:
+def _structure(merged: dict[str, Any], registry: Registry, converter: Any) -> RLJobConfig:
     """The config that ``merged`` (files, selections and overrides, as plain data) describes:
     structured over the class defaults, plugin defaults filled in (the env's default lessons
-    among them), validated."""
+    among them); not validated yet."""
     _check_plugin_names(merged, registry)
-    converter = make_converter(registry)
     # Partial tables override the defaults key by key: `--set eval.sampling.max_tokens=5` keeps
     # eval's greedy temperature rather than rebuilding SamplingParams from its class defaults.
     # (Plugin sections unstructure to just their name here, so a plugin's keys always start
@@ -238,9 +241,7 @@ def _structure(merged: dict[str, Any], registry: Registry) -> RLJobConfig:
         raise ConfigError("invalid config:\n" + format_structure_error(exc, merged)) from exc
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"invalid config: {exc}") from exc
-    config = _fill_plugin_defaults(config, registry, converter)
-    validate_config(config, registry, converter)
-    return config
+    return _fill_plugin_defaults(config, registry, converter)
 
 
 def _merged(base: Mapping[str, Any], other: Mapping[str, Any]) -> dict[str, Any]:

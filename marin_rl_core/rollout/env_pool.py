@@ -63,10 +63,10 @@ class _ChildAgents:
     ``async`` ``run_agent`` as a task on the process's event loop (a thread of its own), a plain
     one on a thread; each answers its call when it ends. ``send`` sends an answer."""
 
-    def __init__(self, env: Any, send: Callable[[tuple[int, bool, Any]], None]):
+    def __init__(self, send: Callable[[tuple[int, bool, Any]], None]):
         from marin_rl_core.rollout.env_threads import DaemonThreadPool
 
-        self.env, self.send = env, send
+        self.send = send
         self.loop = asyncio.new_event_loop()
         self.tasks: dict[int, asyncio.Task[Any]] = {}
         self.threads = DaemonThreadPool("marinrl-agents", 4096)
@@ -143,7 +143,7 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
         try:
             if op in ("run_agent", "score_agent"):
                 if agents is None:
-                    agents = _ChildAgents(env, send)
+                    agents = _ChildAgents(send)
                 episode_id, *rest = args
                 fn = env.run_agent if op == "run_agent" else env.score
                 agents.start(call_id, episode_id, fn, *rest)
