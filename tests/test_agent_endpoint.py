@@ -155,7 +155,9 @@ def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_s
             assert got.tokens.tolist() == want.tokens.tolist()
             assert got.loss_mask.tolist() == want.loss_mask.tolist()
             assert got.turn_starts.tolist() == want.turn_starts.tolist()
-            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
+            # (the endpoint batches calls as they arrive: float noise of the batch's shape, seen
+            # at 1.4e-6 under load)
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
             assert (got.reward, got.truncated) == (want.reward, want.truncated)
         assert metrics["turns"] > 1
         _trainer_agrees(manager, config, batch.rollouts)

@@ -4,6 +4,7 @@ trainer agrees with, concurrency, limits and failures."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import shutil
 import threading
@@ -170,6 +171,7 @@ def test_episodes_draw_the_same_tokens_from_the_same_seed():
 @attrs.frozen
 class ProbeConfig:
     # async_wait | sync_hang | async_hang | raise | crash | endless | reset_hang | problems_hang
+    # | build_fails
     behaviour: str = "async_wait"
     delay_s: float = 0.05
     hang_problem: str = "1"
@@ -217,6 +219,8 @@ class ProbeEpisode:
 
 class ProbeEnv:
     def __init__(self, config: ProbeConfig):
+        if config.behaviour == "build_fails":
+            raise ValueError("the probe's dataset is missing")
         self.config = config
         self.lock = threading.Lock()
         self.in_flight = self.most_in_flight = 0
@@ -428,6 +432,19 @@ def test_envs_in_processes_of_their_own_serve_episodes():
     assert metrics["score/pid"] not in (0, os.getpid())  # the steps ran elsewhere
     assert metrics["env_process_restarts"] == 0
     manager.shutdown()
+
+
+def test_an_env_that_cannot_be_built_in_its_processes_says_why():
+    """The env's own error reaches the rollout worker (not only "env process 0 died"), and the
+    pool's processes are stopped."""
+    with pytest.raises(RuntimeError) as raised:
+        _probe("build_fails", "episodes.env_processes=2")
+    assert (
+        "building the env in its process failed: ValueError: the probe's dataset is missing "
+        in (str(raised.value))
+    )
+    assert "(test_episodes.py:" in str(raised.value)
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("marinrl-env")]
 
 
 def test_a_crashing_env_process_fails_its_episodes_and_is_replaced(caplog):

@@ -120,7 +120,16 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
 
     from marin_rl_core.rollout.episode_state import SingleTurnEpisodes, as_multi_turn
 
-    env = as_multi_turn(build(config))
+    try:
+        env = as_multi_turn(build(config))
+    except Exception as exc:  # noqa: BLE001 - every call answers with it: the worker says why
+        failed = f"building the env in its process failed: {_failure(exc)}"
+        while True:
+            try:
+                call_id, _, _ = conn.recv()
+            except (EOFError, OSError):
+                return
+            conn.send((call_id, False, failed))
     episodes: dict[int, Any] = {}
     agents: _ChildAgents | None = None
     sending = threading.Lock()
@@ -132,7 +141,8 @@ def _serve(conn: Any, build: Callable[[Any], Any], config: Any) -> None:
             except (EOFError, OSError):  # the rollout worker is gone
                 pass
             except Exception as exc:  # noqa: BLE001 - a result that does not pickle
-                conn.send((answer[0], False, f"its result cannot be sent back: {_failure(exc)}"))
+                why = f"{type(exc).__name__}: {exc}"
+                conn.send((answer[0], False, f"its result must pickle to leave the process: {why}"))
 
     while True:
         try:
@@ -293,9 +303,13 @@ class EnvProcessPool:
         # Every process built its env before the first batch: its episodes' time limits do not
         # pay for a process starting.
         ready = [self._call(process, "describe") for process in self.processes]
-        described = ready[0].result(timeout)
-        for other in ready[1:]:
-            other.result(timeout)
+        try:
+            described = ready[0].result(timeout)
+            for other in ready[1:]:
+                other.result(timeout)
+        except BaseException:  # an env that cannot be built (its error says why), or no answer
+            self.shutdown()
+            raise
         self.single_turn: bool = bool(described["single_turn"])
         """Whether the env in the processes is a single-turn env (``score``)."""
         self.agent: bool = bool(described["agent"])
