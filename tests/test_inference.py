@@ -42,7 +42,7 @@ def models(tok):
     return [build_model(CONFIG, tok, key=jax.random.PRNGKey(k)) for k in (0, 1)]
 
 
-@pytest.fixture(scope="module", params=["paged", "dense"])
+@pytest.fixture(scope="module", params=["paged", "dense", "kv"])
 def engine(request, models, tok):
     # Small max_seqs so that the tests also exercise chunking of larger requests.
     eng = make_sampler(
@@ -290,7 +290,7 @@ def test_update_model_rejects_a_different_architecture(fresh, models):
         fresh.update_model(bigger_vocab)
 
 
-@pytest.mark.parametrize("kind", ["paged", "dense"])
+@pytest.mark.parametrize("kind", ["paged", "dense", "kv"])
 def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, tok):
     """Prompts of 16 tokens and more (a chat template makes them common) with n > 1: every
     sample's logprobs match the trainer's. With 16-token KV pages levanter's clones of a prompt

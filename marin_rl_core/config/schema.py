@@ -52,7 +52,9 @@ class ModelConfig:
         inference_engine: how rollout workers sample: ``"paged"`` (levanter's paged-attention
             ``InferenceEngine``: a KV cache, for long generations), ``"dense"`` (one jitted
             forward pass over the whole padded batch per new token: for short answers from short
-            sequences, where it is several times faster) or ``"auto"``: dense when the longest
+            sequences, where it is several times faster), ``"kv"`` (a KV cache in slots, decode
+            rounds compiled as one loop on the device, continuous batching:
+            :mod:`marin_rl_core.rollout.kv_engine`) or ``"auto"``: dense when the longest
             ``max_tokens`` of any lesson times ``max_seq_len`` is at most 4096, else paged. Both
             report logprobs equal to the trainer's.
         inference_tensor_parallel: how many of a rollout worker's devices its inference engine
@@ -78,7 +80,9 @@ class ModelConfig:
     inference_dtype: str = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16")
     )
-    inference_engine: str = attrs.field(default="auto", validator=one_of("auto", "paged", "dense"))
+    inference_engine: str = attrs.field(
+        default="auto", validator=one_of("auto", "paged", "dense", "kv")
+    )
     inference_tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     gradient_checkpointing: str = attrs.field(default="auto", validator=one_of("auto", "on", "off"))
 

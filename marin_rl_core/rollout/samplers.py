@@ -33,7 +33,11 @@ def make_sampler(kind: str, model: LmHeadModel, **kwargs: Any) -> SamplingEngine
         return DenseSampler(model, **kwargs)
     if kind == "paged":
         return SamplingEngine(model, **kwargs)
-    raise ValueError(f"unknown inference engine {kind!r}: use paged or dense")
+    if kind == "kv":
+        from marin_rl_core.rollout.kv_engine import KVCacheEngine
+
+        return KVCacheEngine(model, **kwargs)
+    raise ValueError(f"unknown inference engine {kind!r}: use paged, dense or kv")
 
 
 def inference_mesh(

@@ -1,0 +1,217 @@
+"""Generated tokens per second of every generation engine on the same requests, side by side.
+
+A model with Qwen3-0.6B's shape (hidden 1024, 16 query and 8 key/value heads of 128, MLP 3072,
+its 151,936-token vocabulary, tied embeddings; ``--layers`` of its 28 layers, random weights) is
+built once; each engine samples the same prompts (``rows`` distinct prompts of 32-96 random
+tokens, one sample each, temperature 1) to ``new tokens`` each. A warm-up call compiles first;
+the table shows the median of ``--repeats`` timed calls, each engine's ratio to the paged engine
+(levanter's ``InferenceEngine``) and, where ``torch`` and ``transformers`` import and a GPU is
+present, to transformers' ``generate`` (eager, sdpa, a random model of the same shape).
+
+    python bench/generation.py                                  # CPU: 2 layers, 32 rows x 128
+    python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512   # a GPU
+
+The last line is ``speed-up over paged: N.NNx``: the ``kv`` engine against the paged engine at
+the first row count and token count given (32 x 128 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+QWEN3_0_6B = dict(
+    vocab=151_936, hidden=1024, intermediate=3072, heads=16, kv_heads=8, head_dim=128, theta=1e6
+)
+
+
+def build_model(layers: int, dtype: str, seq_len: int):  # type: ignore[no-untyped-def]
+    import haliax as hax
+    import jax
+    import jax.numpy as jnp
+    from levanter.layers.rotary import DefaultRotaryEmbeddingsConfig
+    from levanter.models.qwen import Qwen3Config
+
+    from marin_rl_core.models.build import cast_floating
+
+    config = Qwen3Config(
+        seq_len=seq_len,
+        hidden_dim=QWEN3_0_6B["hidden"],
+        intermediate_dim=QWEN3_0_6B["intermediate"],
+        num_layers=layers,
+        num_heads=QWEN3_0_6B["heads"],
+        num_kv_heads=QWEN3_0_6B["kv_heads"],
+        head_dim=QWEN3_0_6B["head_dim"],
+        tie_word_embeddings=True,
+        layer_norm_epsilon=1e-6,
+        rope=DefaultRotaryEmbeddingsConfig(theta=QWEN3_0_6B["theta"]),
+        gradient_checkpointing=False,
+    )
+    vocab = hax.Axis("vocab", QWEN3_0_6B["vocab"])
+    init = jax.jit(lambda key: config.model_type.init(vocab, config, key=key))
+    model = init(jax.random.PRNGKey(0))
+    return cast_floating(model, jnp.dtype(dtype)), config
+
+
+def prompts_for(rows: int, seed: int = 0) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        rng.integers(1, QWEN3_0_6B["vocab"] - 2, size=int(rng.integers(32, 97))).tolist()
+        for _ in range(rows)
+    ]
+
+
+def time_engine(engine, prompts, tokens: int, repeats: int, seed: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """(median seconds, tokens generated) of ``engine.generate`` on ``prompts``."""
+    engine.generate(prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + 1000)  # compile
+    times, generated = [], 0
+    for r in range(repeats):
+        start = time.perf_counter()
+        out = engine.generate(prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + r)
+        times.append(time.perf_counter() - start)
+        generated = sum(int(s.tokens.size) for group in out for s in group)
+    return statistics.median(times), generated
+
+
+def time_transformers(layers: int, prompts, tokens: int, repeats: int) -> tuple[float, int] | None:  # type: ignore[no-untyped-def]
+    """transformers' ``generate`` on a random model of the same shape (GPU only), or None."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    config = transformers.Qwen3Config(
+        vocab_size=QWEN3_0_6B["vocab"],
+        hidden_size=QWEN3_0_6B["hidden"],
+        intermediate_size=QWEN3_0_6B["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=QWEN3_0_6B["heads"],
+        num_key_value_heads=QWEN3_0_6B["kv_heads"],
+        head_dim=QWEN3_0_6B["head_dim"],
+        rope_theta=QWEN3_0_6B["theta"],
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = model.cuda().eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left-padded, as generate wants
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.cuda(), mask.cuda()
+
+    def run() -> int:
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                pad_token_id=0,
+            )
+        torch.cuda.synchronize()
+        return int((out.shape[1] - width) * out.shape[0])
+
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        generated = run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), generated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=2, help="of Qwen3-0.6B's 28 layers")
+    parser.add_argument("--rows", type=int, nargs="+", default=[32])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[128])
+    parser.add_argument("--engines", nargs="+", default=["paged", "dense", "kv"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on an accelerator")
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+
+    import jax
+
+    from marin_rl_core.rollout.samplers import make_sampler
+
+    platform = jax.devices()[0].platform
+    dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
+    seq_len = 96 + max(args.tokens)
+    seq_len = -(-seq_len // 16) * 16
+    model, _ = build_model(args.layers, dtype, seq_len)
+    print(
+        f"Qwen3-0.6B shape, {args.layers} layers, {dtype}, {platform} "
+        f"({jax.devices()[0].device_kind}), prompts of 32-96 tokens, temperature 1",
+        flush=True,
+    )
+    results: dict[tuple[str, int, int], float] = {}
+    for rows in args.rows:
+        prompts = prompts_for(rows)
+        for tokens in args.tokens:
+            for kind in args.engines:
+                engine = make_sampler(
+                    kind,
+                    model,
+                    max_seq_len=seq_len,
+                    eos_id=QWEN3_0_6B["vocab"] - 1,
+                    max_seqs=rows,
+                    max_prefill_tokens=max(2048, rows * 128),
+                    compute_dtype=dtype,
+                )
+                seconds, generated = time_engine(engine, prompts, tokens, args.repeats, seed=0)
+                results[(kind, rows, tokens)] = generated / seconds
+                print(
+                    f"  {kind:>6} {rows:>4} rows x {tokens:>4} tokens: {generated / seconds:9.1f} "
+                    f"tok/s ({seconds:.2f} s)",
+                    flush=True,
+                )
+                del engine
+            if not args.no_transformers:
+                hf = time_transformers(args.layers, prompts, tokens, args.repeats)
+                if hf is not None:
+                    results[("transformers", rows, tokens)] = hf[1] / hf[0]
+                    print(f"  transformers {rows} x {tokens}: {hf[1] / hf[0]:9.1f} tok/s")
+
+    kinds = [
+        *args.engines,
+        *(["transformers"] if any(k[0] == "transformers" for k in results) else []),
+    ]
+    print()
+    print("| engine | rows x new tokens | tok/s | / paged | / transformers |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows in args.rows:
+        for tokens in args.tokens:
+            for kind in kinds:
+                rate = results.get((kind, rows, tokens))
+                if rate is None:
+                    continue
+                paged = results.get(("paged", rows, tokens))
+                hf = results.get(("transformers", rows, tokens))
+                print(
+                    f"| {kind} | {rows} x {tokens} | {rate:,.0f} | "
+                    f"{f'{rate / paged:.2f}x' if paged else '-'} | "
+                    f"{f'{rate / hf:.2f}x' if hf else '-'} |"
+                )
+    first = (args.rows[0], args.tokens[0])
+    kv, paged = results.get(("kv", *first)), results.get(("paged", *first))
+    if kv and paged:
+        print(f"speed-up over paged: {kv / paged:.2f}x")
+    else:
+        print("speed-up over paged: n/a (run both the kv and the paged engine)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""The ``kv`` engine: a KV cache in slots, decode rounds that stay on the device, continuous
+batching.
+
+Rows (one sampled sequence each) live in *slots* of a preallocated cache: ``[layer, slot,
+position, kv_head, head_size]`` keys and values, plus each slot's tokens, logprobs, length, end,
+temperature, stop ids and sampling key. The host loop of :meth:`KVCacheEngine.generate`:
+
+1. **Admit** waiting prompts into free slots (lowest first). A prompt is prefilled once, in one
+   compiled call for a group of prompts, and its keys and values are copied into the slots of its
+   ``n`` samples; the first token of each sample is drawn there too.
+2. **Decode a round**: one compiled ``while_loop`` of up to ``steps_per_round`` steps over the
+   occupied slots; each row stops at its own stop ids or budget, and the loop ends early once
+   every row has. One host round trip per round, not per token.
+3. **Collect** the rows that finished and free their slots; go back to 1 while prompts wait. A
+   batch of mixed lengths therefore does not wait for its longest row: finished slots are refilled
+   between rounds.
+
+Shapes are bucketed so that compilations are few and cached: the decode round is compiled per
+(slot prefix, attention window) pair, both powers of two; the prefill per (prompts, prompt
+length, target slots) bucket. The cache's size comes from a memory budget (a fraction of the
+device's free memory, :class:`KVCacheEngine`'s ``memory_fraction``).
+
+Sampling keys are per row and depend only on the request (the seed and the prompt's index, or
+the prompt's own seed), the sample's index and the token's index in the response, exactly as in
+the dense sampler, so results do not depend on which slots or rounds a row ran in. The logits
+come from :func:`~marin_rl_core.models.logprobs.tempered_logits`, the trainer's projection, so the
+reported logprobs equal the trainer's up to float rounding.
+
+Models: levanter's Llama family (``LlamaLMHeadModel`` and its subclasses: Llama, Qwen2 via
+:class:`~marin_rl_core.models.build.Qwen2LMHeadModel`, Qwen3), with GQA, biased projections and
+q/k norms as their attention modules have them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import jax
+import jax.numpy as jnp
+import numpy as np
+from levanter.models.lm_model import LmHeadModel
+
+from marin_rl_core.rollout.inference import Sample, Sampler, check_request
+from marin_rl_core.rollout.kv_decode import (
+    DecodeState,
+    check_model,
+    decode_round,
+    kv_shape,
+    prefill,
+)
+
+logger = logging.getLogger(__name__)
+
+MIN_WINDOW = 16
+"""The smallest attention window (and prompt-length bucket) a compiled function is made for."""
+
+
+def bucket(n: int, *, least: int = 1, most: int | None = None) -> int:
+    """``n`` rounded up to a power of two (at least ``least``), capped at ``most``."""
+    size = least
+    while size < n:
+        size *= 2
+    return size if most is None else min(size, most)
+
+
+@attrs.frozen
+class GenerationRequest:
+    """``n`` samples of one prompt, with the sampling settings of its own.
+
+    Args:
+        prompt: the prompt's token ids.
+        n: samples of it.
+        temperature: softmax temperature; 0 is greedy.
+        max_tokens: the most tokens of one response (lowered to fit ``max_seq_len``).
+        stop_tokens: ids that end a response (EOS included by the caller).
+        seed, fold: the row key is ``fold_in(PRNGKey(seed), fold)`` (no fold when ``fold < 0``),
+            folded with the sample's index, then with each token's index in the response.
+    """
+
+    prompt: Sequence[int]
+    n: int
+    temperature: float
+    max_tokens: int
+    stop_tokens: Sequence[int]
+    seed: int
+    fold: int
+
+
+# --- the engine -----------------------------------------------------------------------------------
+
+
+def free_device_bytes(device: Any) -> int:
+    """Bytes free on ``device``: its allocator's limit less what is in use, or, for a CPU
+    device (no allocator statistics), the host's available memory."""
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - not every backend has statistics
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+class KVCacheEngine(Sampler):
+    """Generates ``n`` samples per prompt with a KV cache in slots; see the module docstring.
+
+    Same interface and guarantees as the other samplers (``tests/test_inference.py`` holds them
+    all to the same tests): ``result[i][k]`` is the ``k``-th sample of prompt ``i``; the seed (or
+    ``prompt_seeds``) fixes the samples; logprobs are of the tempered distribution and equal the
+    trainer's.
+
+    Args:
+        model, max_seq_len, eos_id, max_stop_tokens, compute_dtype, mesh, axis_mapping: as for
+            :class:`~marin_rl_core.rollout.inference.SamplingEngine`.
+        max_seqs: the most slots (rows decoded at once); fewer when the memory budget holds
+            fewer.
+        memory_fraction: the share of the device's free memory (after the weights) the cache may
+            take; the slots are as many as fit in it, up to ``max_seqs``.
+        steps_per_round: decode steps per host round trip while prompts wait for a slot (with
+            none waiting a round runs until its rows are done).
+        max_prefill_tokens: prompt tokens (padded) prefilled in one call.
+    """
+
+    def __init__(
+        self,
+        model: LmHeadModel,
+        *,
+        max_seq_len: int,
+        eos_id: int,
+        max_seqs: int = 256,
+        max_stop_tokens: int = 4,
+        compute_dtype: Any = jnp.float32,
+        mesh: Any = None,
+        axis_mapping: Any = None,
+        memory_fraction: float = 0.5,
+        steps_per_round: int = 32,
+        max_prefill_tokens: int = 8192,
+        **_: Any,
+    ) -> None:
+        check_model(model)
+        super().__init__(
+            model,
+            max_seq_len=max_seq_len,
+            eos_id=eos_id,
+            max_stop_tokens=max_stop_tokens,
+            compute_dtype=compute_dtype,
+            mesh=mesh,
+            axis_mapping=axis_mapping,
+        )
+        self.steps_per_round = max(1, int(steps_per_round))
+        self.max_prefill_tokens = max(int(max_prefill_tokens), max_seq_len)
+        layers, kv_heads, head_size = kv_shape(model)
+        per_slot = 2 * layers * max_seq_len * kv_heads * head_size * self.compute_dtype.itemsize
+        per_slot += max_seq_len * 8  # tokens and logprobs
+        budget = int(memory_fraction * free_device_bytes(jax.devices()[0]))
+        fits = budget // per_slot
+        if fits < 1:
+            raise ValueError(
+                f"the kv engine's cache needs {per_slot / 2**20:.1f} MiB per sequence of "
+                f"{max_seq_len} tokens but its budget is {budget / 2**20:.1f} MiB "
+                f"({memory_fraction} of the device's free memory): raise the engine's "
+                "memory_fraction or lower model.max_seq_len"
+            )
+        self.max_seqs = int(min(max_seqs, fits))
+        self.cache_bytes = self.max_seqs * per_slot
+        self._state: DecodeState | None = None
+        # The host's copy of each slot's progress, read back after every prefill and round.
+        self._done = np.ones(self.max_seqs, bool)
+        self._lengths = np.ones(self.max_seqs, np.int32)
+        self._ends = np.ones(self.max_seqs, np.int32)
+        self.rounds = 0  # decode rounds run, for benches and tests
+        self.prefills = 0
+
+    @property
+    def slots(self) -> int:
+        return self.max_seqs
+
+    def _empty_state(self) -> DecodeState:
+        layers, kv_heads, head_size = kv_shape(self._model)
+        c, s = self.max_seqs, self.max_seq_len
+        shape = (layers, c, kv_heads, s, head_size)
+
+        @jax.jit
+        def make() -> DecodeState:
+            return DecodeState(
+                k=jnp.zeros(shape, self.compute_dtype),
+                v=jnp.zeros(shape, self.compute_dtype),
+                tokens=jnp.zeros((c, s), jnp.int32),
+                logprobs=jnp.zeros((c, s), jnp.float32),
+                length=jnp.ones(c, jnp.int32),
+                end=jnp.ones(c, jnp.int32),
+                prompt_len=jnp.zeros(c, jnp.int32),
+                done=jnp.ones(c, bool),
+                temperature=jnp.ones(c, jnp.float32),
+                stops=jnp.zeros((c, self.max_stop_tokens), jnp.int32),
+                keys=jnp.zeros((c, 2), jnp.uint32),
+            )
+
+        with self._on_mesh():
+            return make()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+        prompt_seeds: Sequence[int] | None = None,
+    ) -> list[list[Sample]]:
+        """As :meth:`~marin_rl_core.rollout.inference.SamplingEngine.generate`."""
+        stops = check_request(
+            prompts, n, stop_tokens, prompt_seeds,
+            eos_id=self.eos_id, max_seqs=self.max_seqs, max_stop_tokens=self.max_stop_tokens,
+            max_seq_len=self.max_seq_len,
+        )  # fmt: skip
+        requests = [
+            GenerationRequest(
+                prompt=prompt,
+                n=n,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                stop_tokens=stops,
+                seed=(seed if prompt_seeds is None else int(prompt_seeds[i])) % 2**32,
+                fold=i if prompt_seeds is None else -1,
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        return self.generate_requests(requests)
+
+    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """Sample every request (each with its own settings) through the slots: continuous
+        batching over all of them. ``result[i][k]`` is the ``k``-th sample of ``requests[i]``."""
+        results: list[list[Sample | None]] = [[None] * r.n for r in requests]
+        waiting = deque(range(len(requests)))
+        owner: list[tuple[int, int] | None] = [None] * self.max_seqs
+        if self._state is None:
+            self._state = self._empty_state()
+        with self._on_mesh():
+            while waiting or any(o is not None for o in owner):
+                self._admit(requests, waiting, owner)
+                occupied = [i for i, o in enumerate(owner) if o is not None]
+                if not occupied:
+                    continue
+                rows = bucket(occupied[-1] + 1, least=8, most=self.max_seqs)
+                lengths = self._lengths[:rows]
+                live = [i for i in occupied if not self._done[i]]
+                if live:
+                    left = max(int(self._ends[i] - lengths[i]) for i in live)
+                    steps = min(self.steps_per_round, left) if waiting else left
+                    reach = max(int(lengths[i]) for i in live) + steps
+                    window = bucket(reach, least=MIN_WINDOW, most=self.max_seq_len)
+                    self._state, done, length = decode_round(
+                        self._model,
+                        self._state,
+                        jnp.asarray(steps, jnp.int32),
+                        rows=rows,
+                        window=window,
+                    )
+                    self.rounds += 1
+                    done, length = jax.device_get((done, length))
+                    self._done[:rows], self._lengths[:rows] = done, length
+                self._collect(requests, owner, results)
+        return results  # type: ignore[return-value]
+
+    def _admit(
+        self,
+        requests: Sequence[GenerationRequest],
+        waiting: deque[int],
+        owner: list[tuple[int, int] | None],
+    ) -> None:
+        """Prefill as many waiting requests as fit in the free slots and the prefill budget."""
+        free = [i for i, o in enumerate(owner) if o is None]
+        taken: list[int] = []
+        width = 0
+        while waiting and requests[waiting[0]].n <= len(free) - sum(requests[r].n for r in taken):
+            longest = max(width, len(requests[waiting[0]].prompt))
+            padded = bucket(longest, least=MIN_WINDOW, most=self.max_seq_len)
+            if taken and bucket(len(taken) + 1) * padded > self.max_prefill_tokens:
+                break
+            width = longest
+            taken.append(waiting.popleft())
+        if not taken:
+            return
+        n_prompts = bucket(len(taken))
+        padded = bucket(width, least=MIN_WINDOW, most=self.max_seq_len)
+        prompts = np.zeros((n_prompts, padded), np.int32)
+        prompt_len = np.ones(n_prompts, np.int32)
+        rows = [(p, r, k) for p, r in enumerate(taken) for k in range(requests[r].n)]
+        m = bucket(len(rows))
+        slots = np.full(m, self.max_seqs, np.int32)  # padding rows are dropped
+        source = np.zeros(m, np.int32)
+        end = np.ones(m, np.int32)
+        temperature = np.ones(m, np.float32)
+        stops = np.zeros((m, self.max_stop_tokens), np.int32)
+        seed = np.zeros(m, np.uint32)
+        fold = np.full(m, -1, np.int32)
+        sample = np.zeros(m, np.int32)
+        for p, r in enumerate(taken):
+            prompt = requests[r].prompt
+            prompts[p, : len(prompt)] = prompt
+            prompt_len[p] = len(prompt)
+        for j, (p, r, k) in enumerate(rows):
+            request = requests[r]
+            slot = free[j]
+            owner[slot] = (r, k)
+            slots[j], source[j], sample[j] = slot, p, k
+            budget = min(request.max_tokens, self.max_seq_len - len(request.prompt))
+            end[j] = len(request.prompt) + max(budget, 1)
+            temperature[j] = request.temperature
+            request_stops = list(request.stop_tokens) or [self.eos_id]
+            stops[j] = request_stops[0]
+            stops[j, : len(request_stops)] = request_stops
+            seed[j], fold[j] = request.seed, request.fold
+            self._done[slot] = False
+            self._lengths[slot] = len(request.prompt) + 1
+            self._ends[slot] = end[j]
+        self._state = prefill(
+            self._model,
+            self._state,
+            *(
+                jnp.asarray(a)
+                for a in (
+                    prompts,
+                    prompt_len,
+                    slots,
+                    source,
+                    end,
+                    temperature,
+                    stops,
+                    seed,
+                    fold,
+                    sample,
+                )  # fmt: skip
+            ),
+        )
+        self.prefills += 1
+        # A row may be done at its first token (a stop, or a budget of one).
+        done = np.asarray(jax.device_get(self._state.done))
+        self._done[:] = done
+
+    def _collect(
+        self,
+        requests: Sequence[GenerationRequest],
+        owner: list[tuple[int, int] | None],
+        results: list[list[Sample | None]],
+    ) -> None:
+        finished = [i for i, o in enumerate(owner) if o is not None and self._done[i]]
+        if not finished:
+            return
+        assert self._state is not None
+        tokens, logprobs = jax.device_get((self._state.tokens, self._state.logprobs))
+        for slot in finished:
+            r, k = owner[slot]  # type: ignore[misc]
+            begin = len(requests[r].prompt)
+            end = int(self._lengths[slot])
+            response = np.asarray(tokens[slot, begin:end], np.int32)
+            stop_set = set(int(t) for t in requests[r].stop_tokens) or {self.eos_id}
+            results[r][k] = Sample(
+                tokens=response,
+                logprobs=np.asarray(logprobs[slot, begin:end], np.float32),
+                stopped=response.size > 0 and int(response[-1]) in stop_set,
+            )
+            owner[slot] = None
+
+
+__all__ = ["GenerationRequest", "KVCacheEngine"]
