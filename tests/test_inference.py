@@ -313,3 +313,70 @@ def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, 
     for sample, expected in zip([s for group in samples for s in group], ours):
         assert sample.tokens.size > 1
         np.testing.assert_allclose(sample.logprobs, expected, atol=1e-4)
+
+
+# --- the kv engine's own machinery: slots, rounds, per-request settings, its memory budget ------
+
+
+def test_kv_samples_do_not_depend_on_slots_or_rounds(models, tok):
+    """Continuous batching moves rows between slots and rounds: 4 slots refilled every 2 steps
+    sample exactly what 64 slots decoding to the end sample."""
+    from marin_rl_core.rollout.kv_engine import KVCacheEngine
+
+    prompts = [tok.encode(f"{a}+{b}=", add_bos=True) for a in range(4) for b in range(3)]
+    kwargs = dict(max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id)
+    small = KVCacheEngine(models[0], max_seqs=4, steps_per_round=2, **kwargs)
+    large = KVCacheEngine(models[0], max_seqs=64, **kwargs)
+    a = small.generate(prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
+    b = large.generate(prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
+    assert small.prefills > 9 and small.rounds > large.rounds  # 36 rows through 4 slots
+    for group_a, group_b in zip(a, b):
+        for x, y in zip(group_a, group_b):
+            assert x.tokens.tolist() == y.tokens.tolist()
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_kv_requests_in_one_call_keep_their_own_settings(models, tok):
+    """Rows of different requests share rounds (the generation queue's case): each keeps its
+    temperature, budget and stop ids."""
+    from marin_rl_core.rollout.kv_engine import GenerationRequest, KVCacheEngine
+
+    engine = KVCacheEngine(models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=8)
+    prompt = prompts_of(tok, 1)[0]
+    free = greedy_reference(models[0], prompt, 6, {tok.eos_id})
+    assert len(free) >= 3
+    eos = [tok.eos_id]
+    greedy, budget, stop, sampled = engine.generate_requests(
+        [
+            GenerationRequest(prompt, 2, 0.0, 6, eos, seed=0, fold=0),
+            GenerationRequest(prompt, 1, 0.0, 2, eos, seed=0, fold=1),
+            GenerationRequest(prompt, 1, 0.0, 6, [tok.eos_id, free[1]], seed=0, fold=2),
+            GenerationRequest(prompt, 3, 1.5, 6, eos, seed=0, fold=3),
+        ]
+    )
+    assert [s.tokens.tolist() for s in greedy] == [free, free]
+    assert budget[0].tokens.tolist() == free[:2] and not budget[0].stopped
+    assert stop[0].tokens.tolist() == free[: free.index(free[1]) + 1] and stop[0].stopped
+    assert len(sampled) == 3 and all(1 <= s.tokens.size <= 6 for s in sampled)
+    want = response_logprobs(
+        models[0], [prompt] * 3, [s.tokens for s in sampled], max_seq_len=MAX_SEQ_LEN,
+        temperature=1.5,
+    )  # fmt: skip
+    for s, w in zip(sampled, want):
+        np.testing.assert_allclose(s.logprobs, w, atol=1e-4)
+
+
+def test_kv_engine_sizes_its_slots_from_the_memory_budget(models, tok):
+    from marin_rl_core.rollout.kv_engine import KVCacheEngine, free_device_bytes
+
+    kwargs = dict(max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=10_000)
+    free = free_device_bytes(jax.devices()[0])
+    layers = sum(x.nbytes for x in jax.tree.leaves(models[0].transformer.layers))
+    # Room for the decoder's copy and about 100 slots of this model.
+    fraction = (layers + 100 * 13_000) / free
+    engine = KVCacheEngine(models[0], memory_fraction=fraction, **kwargs)
+    assert 10 < engine.max_seqs < 1000
+    with pytest.raises(ValueError, match=f"n must be in 1..{engine.max_seqs}"):
+        engine.generate(prompts_of(tok, 1), n=engine.max_seqs + 1)
+    with pytest.raises(ValueError, match="raise the engine's memory_fraction"):
+        KVCacheEngine(models[0], memory_fraction=layers / free / 2, **kwargs)

@@ -3,9 +3,10 @@ decode rounds and token sampling (the host loop that drives them is
 :mod:`marin_rl_core.rollout.kv_engine`).
 
 The forward pass is levanter's Llama decoder layer (its modules: norms, projections, rotary
-embeddings, q/k norms, the MLP) with attention over the cache written here: keys and values of
-a row are contiguous per head (``[layer, slot, kv_head, position, head_size]``), and a decode step
-attends over the first ``window`` positions only.
+embeddings, q/k norms, the MLP's activation) with the matmuls and the attention over the cache
+written here: keys are kept transposed (``[layer, slot, kv_head, head_size, position]``) and
+values as ``[layer, slot, kv_head, position, head_size]``, the layouts attention multiplies
+without copies, and a decode step attends over the first ``window`` positions only.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
@@ -22,12 +24,14 @@ import jax.numpy as jnp
 from levanter.models.llama import LlamaLMHeadModel
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.rollout.next_token import draw_next_tokens
+
 
 class DecodeState(eqx.Module):
     """Every slot's state on the device (``C`` slots of ``S`` positions)."""
 
-    k: jax.Array  # [layer, C, kv_head, S, head_size]: a row's keys are contiguous per head
-    v: jax.Array
+    k: tuple[jax.Array, ...]  # per layer [C, kv_head, head_size, S]: transposed, as read
+    v: tuple[jax.Array, ...]  # per layer [C, kv_head, S, head_size]
     tokens: jax.Array  # [C, S] int32: prompt then response
     logprobs: jax.Array  # [C, S] float32, at each response token's position
     length: jax.Array  # [C] tokens so far; the cache holds all but the last
@@ -54,45 +58,112 @@ def kv_shape(model: LlamaLMHeadModel) -> tuple[int, int, int]:
 
 
 # --- the model, one layer at a time ---------------------------------------------------------------
+#
+# Activations are plain arrays ``[batch, position, ...]``; levanter's modules do the elementwise
+# work (norms, rotary embeddings, the MLP's activation) on named views of them, and every matmul
+# is an einsum against the weight in the layout levanter stores it (``[out..., in...]``), reshaped
+# to 2-D: no weight is transposed or copied per step (XLA's CPU backend copied each projection's
+# weight on every call when haliax multiplied by its multi-axis form).
+
+
+def _axes(spec: Any) -> tuple[Any, ...]:
+    return tuple(spec) if isinstance(spec, Sequence) else (spec,)
+
+
+def _project(linear: Any, x: jax.Array) -> jax.Array:
+    """``linear(x)`` for ``x [..., in]``: returns ``[..., *out]`` (the module's ``Out`` axes)."""
+    out_axes, in_axes = _axes(linear.Out), _axes(linear.In)
+    weight = (linear.weight * linear.reparam.active_scale).rearrange((*out_axes, *in_axes)).array
+    weight = weight.reshape(math.prod(a.size for a in out_axes), -1)
+    y = jnp.einsum("ni,oi->no", x.reshape(-1, weight.shape[1]), weight)
+    if linear.bias is not None:
+        y = y + linear.bias.rearrange(out_axes).array.reshape(-1)
+    return y.reshape(*x.shape[:-1], *(a.size for a in out_axes))
+
+
+def _named(x: jax.Array, *names: str) -> hax.NamedArray:
+    return hax.named(x, ("batch", "position", *names))
+
+
+def _qkv(layer: Any, x: jax.Array, pos: hax.NamedArray) -> tuple[jax.Array, ...]:
+    """Queries ``[batch, kv_head, group, position, head_size]``, keys transposed ``[batch,
+    kv_head, head_size, position]`` and values ``[batch, kv_head, position, head_size]`` of one
+    layer, normed and rotated as levanter's ``Attention`` does."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(_named(x, "embed")).array
+    q = _named(_project(attn.q_proj, h), *(a.name for a in _axes(attn.q_proj.Out)))
+    k = _named(_project(attn.k_proj, h), *(a.name for a in _axes(attn.k_proj.Out)))
+    v = _named(_project(attn.v_proj, h), *(a.name for a in _axes(attn.v_proj.Out)))
+    if attn.config.qk_norm is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    if attn.rot_embs is not None:
+        q = attn.rot_embs(q, pos).astype(q.dtype)
+        k = attn.rot_embs(k, pos).astype(k.dtype)
+    return (
+        q.rearrange(("batch", "kv_head", "q_heads_per_group", "position", "head_size")).array,
+        k.rearrange(("batch", "kv_head", "head_size", "position")).array,
+        v.rearrange(("batch", "kv_head", "position", "head_size")).array,
+    )
 
 
 def _attend(
-    layer: Any, q: hax.NamedArray, keys: jax.Array, values: jax.Array, visible: jax.Array
+    layer: Any, q: jax.Array, keys_t: jax.Array, values: jax.Array, visible: jax.Array
 ) -> jax.Array:
-    """Attention of ``q`` (batch, position, kv_head, q_heads_per_group, head_size) over ``keys`` /
-    ``values`` ``[batch, kv_head, key, head_size]`` where ``visible [batch, position, key]``;
-    softmax in float32."""
+    """Attention of ``q [b, kv_head, group, t, d]`` over ``keys_t [b, kv_head, d, s]`` and
+    ``values [b, kv_head, s, d]`` where ``visible [b, t, s]``, softmax in float32; returns
+    ``[b, t, heads * d]`` (heads ordered kv-head-major, as levanter flattens them)."""
     config = layer.self_attn.config
+    b, k, g, t, d = q.shape
     scale = config.scaling_factor or 1.0 / math.sqrt(config.head_size)
-    qa = q.rearrange(("batch", "position", "kv_head", "q_heads_per_group", "head_size")).array
-    scores = jnp.einsum(
-        "btkgd,bksd->bkgts", qa, keys, preferred_element_type=jnp.float32
-    ) * jnp.float32(scale)
+    scores = jnp.matmul(q.reshape(b, k, g * t, d), keys_t, preferred_element_type=jnp.float32)
+    scores = scores.reshape(b, k, g, t, -1) * jnp.float32(scale)
     if config.logits_soft_cap is not None:
         scores = config.logits_soft_cap * jnp.tanh(scores / config.logits_soft_cap)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-    return jnp.einsum("bkgts,bksd->btkgd", weights, values)
+    out = jnp.matmul(weights.reshape(b, k, g * t, -1), values).reshape(b, k, g, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, k * g * d)
 
 
-def _finish_layer(layer: Any, x: hax.NamedArray, attended: jax.Array) -> hax.NamedArray:
+def _finish_layer(layer: Any, x: jax.Array, attended: jax.Array) -> jax.Array:
     """The rest of a decoder layer after attention: output projection, residuals, the MLP."""
-    out = hax.named(attended, ("batch", "position", "kv_head", "q_heads_per_group", "head_size"))
-    out = out.flatten_axes(("kv_head", "q_heads_per_group"), "heads").astype(x.dtype)
-    out = layer.self_attn.o_proj(out)
+    out = _project(layer.self_attn.o_proj, attended.astype(x.dtype))
     if getattr(layer, "post_attn_layernorm", None) is not None:
-        out = layer.post_attn_layernorm(out)
+        out = layer.post_attn_layernorm(_named(out, "embed")).array
     x = x + out
-    mlp = layer.mlp(layer.post_attention_layernorm(x))
+    mlp = layer.mlp
+    h = layer.post_attention_layernorm(_named(x, "embed")).array
+    gate = mlp.act(_named(_project(mlp.gate_proj, h), "mlp")).array
+    out = _project(mlp.down_proj, gate * _project(mlp.up_proj, h))
     if getattr(layer, "post_mlp_layernorm", None) is not None:
-        mlp = layer.post_mlp_layernorm(mlp)
-    return x + mlp
+        out = layer.post_mlp_layernorm(_named(out, "embed")).array
+    return x + out
 
 
-def _qkv(layer: Any, x: hax.NamedArray, pos: hax.NamedArray) -> tuple[Any, jax.Array, jax.Array]:
-    q, k, v = layer.self_attn._compute_qkv(layer.input_layernorm(x), key=None, pos_ids=pos)
-    order = ("batch", "kv_head", "position", "head_size")
-    return q, k.rearrange(order).array, v.rearrange(order).array
+def _embed(model: LlamaLMHeadModel, ids: jax.Array) -> jax.Array:
+    return (
+        model.embeddings.embed(hax.named(ids, ("batch", "position")))
+        .rearrange(("batch", "position", "embed"))
+        .array
+    )
+
+
+def _layers(model: LlamaLMHeadModel) -> list[Any]:
+    """Each decoder layer of the stacked ones, sliced statically: the layer loop is unrolled, so
+    that every layer multiplies by its own weights and updates its own cache in place. A scan
+    over the stack copied each layer's weights and cache window out of it on every step (on
+    XLA's CPU backend), and so does a slice inside the decode loop: :func:`decode_round` slices
+    before its loop, one copy of the decoder's weights per round (the engine's memory budget
+    leaves room for it)."""
+    stacked = model.transformer.layers.stacked
+    return [
+        hax.tree_util.tree_map(lambda p, i=i: p["layer", i], stacked)
+        for i in range(model.config.num_layers)
+    ]
+
+
+def _final_norm(model: LlamaLMHeadModel, x: jax.Array) -> jax.Array:
+    return model.transformer.norm(_named(x, "embed")).array
 
 
 def _lm_head(model: LlamaLMHeadModel) -> jax.Array:
@@ -101,59 +172,13 @@ def _lm_head(model: LlamaLMHeadModel) -> jax.Array:
     return model.get_lm_head().rearrange((model.Vocab, model.Embed)).array
 
 
-def _logits(hidden: jax.Array, head: jax.Array, temperature: jax.Array) -> jax.Array:
-    """The float32 logits of ``hidden [rows, embed]``, divided by each row's temperature (1 for
-    greedy rows): :func:`~marin_rl_core.models.logprobs.tempered_logits`' computation with the
-    head in ``[vocab, embed]`` layout."""
-    logits = jnp.einsum("be,ve->bv", hidden, head, preferred_element_type=jnp.float32)
-    return logits.astype(jnp.float32) / _safe(temperature)[:, None]
-
-
-SAMPLING_BLOCK = 512
-"""Vocabulary entries per block of :func:`draw_tokens`' two-level inverse-CDF sampling."""
-
-
-def _inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
-    """For each row, the token whose probability interval holds ``u [rows]`` in ``[0, 1)``:
-    the first token whose cumulative probability exceeds ``u``, found block by block (the sum
-    of each block of :data:`SAMPLING_BLOCK` tokens, then the cumulative sum within the chosen
-    block), so one uniform number per row draws a token instead of one per vocabulary entry
-    (Gumbel-max), and the cumulative sums stay short enough for float32. A token of zero
-    probability is never drawn."""
-    rows, vocab = logits.shape
-    block = min(SAMPLING_BLOCK, vocab)
-    pad = -vocab % block
-    probs = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))
-    probs = jnp.pad(probs, ((0, 0), (0, pad))).reshape(rows, -1, block)
-    sums = probs.sum(-1)  # [rows, blocks]
-    cumulative = jnp.cumsum(sums, axis=-1)
-    target = u * cumulative[:, -1]
-    chosen = jnp.minimum(jnp.sum(cumulative <= target[:, None], axis=-1), sums.shape[1] - 1)
-    before = jnp.take_along_axis(cumulative - sums, chosen[:, None], axis=-1)[:, 0]
-    inner = jnp.take_along_axis(probs, chosen[:, None, None], axis=1)[:, 0]  # [rows, block]
-    within = jnp.sum(jnp.cumsum(inner, axis=-1) <= (target - before)[:, None], axis=-1)
-    # Rounding may put the target past the block's last token of non-zero probability.
-    last = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
-    return chosen * block + jnp.minimum(within, last)
-
-
-def draw_tokens(
-    logits: jax.Array, keys: jax.Array, step: jax.Array, temperature: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Each row's next token (greedy where ``temperature <= 0``) and its logprob under
-    ``logits [rows, vocab]`` (already tempered), drawn with ``fold_in(key, step)``."""
-    step_keys = jax.vmap(jax.random.fold_in)(keys, step)
-    u = jax.vmap(jax.random.uniform)(step_keys)
-    drawn = _inverse_cdf(logits, u)
-    token = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), drawn).astype(jnp.int32)
-    logprob = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(
-        logits, axis=-1
+def _logits(hidden: jax.Array, head: jax.Array) -> jax.Array:
+    """The float32 logits of ``hidden [rows, embed]``: the trainer's projection
+    (:func:`~marin_rl_core.models.logprobs.tempered_logits`) with the head in ``[vocab, embed]``
+    layout."""
+    return jnp.einsum("be,ve->bv", hidden, head, preferred_element_type=jnp.float32).astype(
+        jnp.float32
     )
-    return token, logprob
-
-
-def _safe(temperature: jax.Array) -> jax.Array:
-    return jnp.where(temperature <= 0, 1.0, temperature)
 
 
 def _stopped(token: jax.Array, stops: jax.Array) -> jax.Array:
@@ -181,31 +206,23 @@ def prefill(
     """Prefill ``prompts`` once each, copy their keys and values into the rows' slots, and draw
     each row's first token."""
     n_prompts, width = prompts.shape
-    ids = hax.named(prompts, ("batch", "position"))
     pos = hax.named(jnp.broadcast_to(jnp.arange(width), prompts.shape), ("batch", "position"))
     causal = jnp.arange(width)[:, None] >= jnp.arange(width)[None, :]
     visible = jnp.broadcast_to(causal, (n_prompts, width, width))
-    layers = jnp.arange(model.config.num_layers)
-
-    def layer_fn(carry: Any, layer: Any, index: jax.Array) -> Any:
-        x, k_cache, v_cache = carry
+    x = _embed(model, prompts)
+    k_caches, v_caches = [], []
+    for layer, k_cache, v_cache in zip(_layers(model), state.k, state.v):
         q, k, v = _qkv(layer, x, pos)
-        k_cache = k_cache.at[index, slots, :, :width].set(
-            k[source].astype(k_cache.dtype), mode="drop"
+        k_caches.append(
+            k_cache.at[slots, :, :, :width].set(k[source].astype(k_cache.dtype), mode="drop")
         )
-        v_cache = v_cache.at[index, slots, :, :width].set(
-            v[source].astype(v_cache.dtype), mode="drop"
+        v_caches.append(
+            v_cache.at[slots, :, :width].set(v[source].astype(v_cache.dtype), mode="drop")
         )
         x = _finish_layer(layer, x, _attend(layer, q, k, v, visible))
-        return x, k_cache, v_cache
-
-    x = model.embeddings.embed(ids)
-    x, k_cache, v_cache = hax.fold(layer_fn, "layer")(
-        (x, state.k, state.v), model.transformer.layers.stacked, layers
-    )
-    hidden = model.transformer.norm(x).rearrange(("batch", "position", "embed")).array
+    hidden = _final_norm(model, x)
     last = hidden[jnp.arange(n_prompts), prompt_len - 1]  # [P, embed]
-    logits = _logits(last[source], _lm_head(model), temperature)
+    logits = _logits(last[source], _lm_head(model))
 
     def row_key(seed, fold, sample):  # type: ignore[no-untyped-def]
         key = jax.random.PRNGKey(seed)
@@ -213,7 +230,7 @@ def prefill(
         return jax.random.fold_in(key, sample)
 
     keys = jax.vmap(row_key)(seed, fold, sample)
-    token, logprob = draw_tokens(logits, keys, jnp.zeros_like(sample), temperature)
+    token, logprob = draw_next_tokens(logits, keys, jnp.zeros_like(sample), temperature)
     length = prompt_len[source] + 1
     rows = jnp.zeros((slots.shape[0], state.tokens.shape[1]), jnp.int32)
     rows = rows.at[:, :width].set(prompts[source])
@@ -225,8 +242,8 @@ def prefill(
         return array.at[slots].set(values.astype(array.dtype), mode="drop")
 
     return DecodeState(
-        k=k_cache,
-        v=v_cache,
+        k=tuple(k_caches),
+        v=tuple(v_caches),
         tokens=put(state.tokens, rows),
         logprobs=put(state.logprobs, lps),
         length=put(state.length, length),
@@ -253,7 +270,7 @@ def decode_round(
     ``length`` (what the host reads back). The caches are updated in place; only the slots'
     small arrays are sliced to ``rows``."""
     head = _lm_head(model)
-    layers = jnp.arange(model.config.num_layers)
+    layers = _layers(model)  # sliced once per round, outside the loop (see _layers)
     index = jnp.arange(rows)
     small = {
         name: getattr(state, name)[:rows]
@@ -264,30 +281,25 @@ def decode_round(
     width = state.tokens.shape[1]
 
     def step(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-        i, k_cache, v_cache, s = carry
+        i, k_caches, v_caches, s = carry
         at = jnp.clip(s["length"] - 1, 0, width - 1)  # the position fed this step
-        ids = hax.named(s["tokens"][index, at][:, None], ("batch", "position"))
         pos = hax.named(at[:, None], ("batch", "position"))
         visible = (key_pos[None, :] <= at[:, None])[:, None, :]  # [rows, 1, window]
 
-        def layer_fn(carry: Any, layer: Any, li: jax.Array) -> Any:
-            x, k_cache, v_cache = carry
+        x = _embed(model, s["tokens"][index, at][:, None])
+        k_caches, v_caches = list(k_caches), list(v_caches)
+        for li, layer in enumerate(layers):
             q, k, v = _qkv(layer, x, pos)
-            k_cache = k_cache.at[li, index, :, at].set(k[:, :, 0].astype(k_cache.dtype))
-            v_cache = v_cache.at[li, index, :, at].set(v[:, :, 0].astype(v_cache.dtype))
-            shape = (1, rows, k_cache.shape[2], window, k_cache.shape[4])
-            keys = jax.lax.dynamic_slice(k_cache, (li, 0, 0, 0, 0), shape)[0]
-            values = jax.lax.dynamic_slice(v_cache, (li, 0, 0, 0, 0), shape)[0]
-            x = _finish_layer(layer, x, _attend(layer, q, keys, values, visible))
-            return x, k_cache, v_cache
-
-        x = model.embeddings.embed(ids)
-        x, k_cache, v_cache = hax.fold(layer_fn, "layer")(
-            (x, k_cache, v_cache), model.transformer.layers.stacked, layers
-        )
-        hidden = model.transformer.norm(x).rearrange(("batch", "position", "embed")).array[:, 0]
-        logits = _logits(hidden, head, temperature)
-        token, logprob = draw_tokens(logits, keys, s["length"] - s["prompt_len"], temperature)
+            k_cache = k_caches[li].at[index, :, :, at].set(k[..., 0].astype(k_caches[li].dtype))
+            v_cache = v_caches[li].at[index, :, at].set(v[:, :, 0].astype(v_caches[li].dtype))
+            k_caches[li], v_caches[li] = k_cache, v_cache
+            keys_t, values = k_cache[:rows, :, :, :window], v_cache[:rows, :, :window]
+            x = _finish_layer(layer, x, _attend(layer, q, keys_t, values, visible))
+        k_caches, v_caches = tuple(k_caches), tuple(v_caches)
+        hidden = _final_norm(model, x)[:, 0]
+        logits = _logits(hidden, head)
+        step = s["length"] - s["prompt_len"]
+        token, logprob = draw_next_tokens(logits, keys, step, temperature)
         live = ~s["done"]
         write = jnp.clip(s["length"], 0, width - 1)
         tokens = s["tokens"].at[index, write].set(jnp.where(live, token, s["tokens"][index, write]))
@@ -299,17 +311,17 @@ def decode_round(
         length = s["length"] + live
         done = s["done"] | (live & (_stopped(token, stops) | (length >= s["end"])))
         s = {**s, "tokens": tokens, "logprobs": logprobs, "length": length, "done": done}
-        return i + 1, k_cache, v_cache, s
+        return i + 1, k_caches, v_caches, s
 
     def more(carry: tuple[Any, ...]) -> jax.Array:
         return (carry[0] < max_steps) & ~jnp.all(carry[3]["done"])
 
     init = (jnp.zeros((), jnp.int32), state.k, state.v, small)
-    _, k_cache, v_cache, small = jax.lax.while_loop(more, step, init)
+    _, k_caches, v_caches, small = jax.lax.while_loop(more, step, init)
     state = dataclasses.replace(
         state,
-        k=k_cache,
-        v=v_cache,
+        k=k_caches,
+        v=v_caches,
         **{name: getattr(state, name).at[:rows].set(value) for name, value in small.items()},
     )
     return state, small["done"], small["length"]

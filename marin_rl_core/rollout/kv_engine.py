@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +59,14 @@ logger = logging.getLogger(__name__)
 
 MIN_WINDOW = 16
 """The smallest attention window (and prompt-length bucket) a compiled function is made for."""
+
+
+def prompt_bucket(n: int, most: int) -> int:
+    """A prefill's padded prompt length: a power of two up to 64 (at least
+    :data:`MIN_WINDOW`), then a multiple of 32, capped at ``most``."""
+    if n <= 64:
+        return bucket(n, least=MIN_WINDOW, most=most)
+    return min(-(-n // 32) * 32, most)
 
 
 def bucket(n: int, *, least: int = 1, most: int | None = None) -> int:
@@ -120,8 +129,9 @@ class KVCacheEngine(Sampler):
             :class:`~marin_rl_core.rollout.inference.SamplingEngine`.
         max_seqs: the most slots (rows decoded at once); fewer when the memory budget holds
             fewer.
-        memory_fraction: the share of the device's free memory (after the weights) the cache may
-            take; the slots are as many as fit in it, up to ``max_seqs``.
+        memory_fraction: the share of the device's free memory (after the weights) the engine
+            may take: a copy of the decoder layers' weights while it decodes, then the KV cache
+            and logits of as many slots as fit (up to ``max_seqs``).
         steps_per_round: decode steps per host round trip while prompts wait for a slot (with
             none waiting a round runs until its rows are done).
         max_prefill_tokens: prompt tokens (padded) prefilled in one call.
@@ -158,14 +168,21 @@ class KVCacheEngine(Sampler):
         layers, kv_heads, head_size = kv_shape(model)
         per_slot = 2 * layers * max_seq_len * kv_heads * head_size * self.compute_dtype.itemsize
         per_slot += max_seq_len * 8  # tokens and logprobs
-        budget = int(memory_fraction * free_device_bytes(jax.devices()[0]))
-        fits = budget // per_slot
+        per_slot += 2 * 4 * model.Vocab.size  # a decode step's float32 logits, and their scaling
+        # A decode round holds one copy of the decoder layers' weights (kv_decode._layers).
+        layer_bytes = sum(
+            x.nbytes for x in jax.tree.leaves(self._model.transformer.layers) if eqx.is_array(x)
+        )
+        free = free_device_bytes(jax.devices()[0])
+        budget = int(memory_fraction * free) - layer_bytes
+        fits = max(budget, 0) // per_slot
         if fits < 1:
             raise ValueError(
-                f"the kv engine's cache needs {per_slot / 2**20:.1f} MiB per sequence of "
-                f"{max_seq_len} tokens but its budget is {budget / 2**20:.1f} MiB "
-                f"({memory_fraction} of the device's free memory): raise the engine's "
-                "memory_fraction or lower model.max_seq_len"
+                f"the kv engine needs {per_slot / 2**20:.1f} MiB per sequence of {max_seq_len} "
+                f"tokens (its KV cache and logits) and {layer_bytes / 2**20:.0f} MiB for a copy "
+                f"of the decoder layers, but its budget is {memory_fraction * free / 2**20:.0f} "
+                f"MiB ({memory_fraction} of the device's {free / 2**20:.0f} MiB free): raise the "
+                "engine's memory_fraction or lower model.max_seq_len"
             )
         self.max_seqs = int(min(max_seqs, fits))
         self.cache_bytes = self.max_seqs * per_slot
@@ -184,13 +201,14 @@ class KVCacheEngine(Sampler):
     def _empty_state(self) -> DecodeState:
         layers, kv_heads, head_size = kv_shape(self._model)
         c, s = self.max_seqs, self.max_seq_len
-        shape = (layers, c, kv_heads, s, head_size)
+        shape = (c, kv_heads, s, head_size)
+        keys_shape = (c, kv_heads, head_size, s)
 
         @jax.jit
         def make() -> DecodeState:
             return DecodeState(
-                k=jnp.zeros(shape, self.compute_dtype),
-                v=jnp.zeros(shape, self.compute_dtype),
+                k=tuple(jnp.zeros(keys_shape, self.compute_dtype) for _ in range(layers)),
+                v=tuple(jnp.zeros(shape, self.compute_dtype) for _ in range(layers)),
                 tokens=jnp.zeros((c, s), jnp.int32),
                 logprobs=jnp.zeros((c, s), jnp.float32),
                 length=jnp.ones(c, jnp.int32),
@@ -283,7 +301,7 @@ class KVCacheEngine(Sampler):
         width = 0
         while waiting and requests[waiting[0]].n <= len(free) - sum(requests[r].n for r in taken):
             longest = max(width, len(requests[waiting[0]].prompt))
-            padded = bucket(longest, least=MIN_WINDOW, most=self.max_seq_len)
+            padded = prompt_bucket(longest, self.max_seq_len)
             if taken and bucket(len(taken) + 1) * padded > self.max_prefill_tokens:
                 break
             width = longest
@@ -291,7 +309,7 @@ class KVCacheEngine(Sampler):
         if not taken:
             return
         n_prompts = bucket(len(taken))
-        padded = bucket(width, least=MIN_WINDOW, most=self.max_seq_len)
+        padded = prompt_bucket(width, self.max_seq_len)
         prompts = np.zeros((n_prompts, padded), np.int32)
         prompt_len = np.ones(n_prompts, np.int32)
         rows = [(p, r, k) for p, r in enumerate(taken) for k in range(requests[r].n)]
