@@ -67,11 +67,17 @@ def prompts_for(rows: int, seed: int = 0) -> list[list[int]]:
 
 def time_engine(engine, prompts, tokens: int, repeats: int, seed: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
     """(median seconds, tokens generated) of ``engine.generate`` on ``prompts``."""
-    engine.generate(prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + 1000)  # compile
+    from marin_rl_core.rollout.inference import sample_prompts
+
+    sample_prompts(
+        engine, prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + 1000
+    )  # compile
     times, generated = [], 0
     for r in range(repeats):
         start = time.perf_counter()
-        out = engine.generate(prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + r)
+        out = sample_prompts(
+            engine, prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + r
+        )
         times.append(time.perf_counter() - start)
         generated = sum(int(s.tokens.size) for group in out for s in group)
     return statistics.median(times), generated

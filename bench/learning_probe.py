@@ -83,7 +83,7 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.rollout.inference import SamplingEngine
+    from marin_rl_core.rollout.inference import SamplingEngine, sample_prompts
 
     t_start = time.perf_counter()
     tok = ArithmeticTokenizer()
@@ -152,7 +152,9 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
     def evaluate(problems=eval_problems, prompts=eval_prompts) -> float:
         """Greedy exact-match accuracy (how ``env.score`` grades eval problems)."""
-        samples = engine.generate(prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens)
+        samples = sample_prompts(
+            engine, prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens
+        )
         correct = [float(response_text(s[0]) == p.answer) for p, s in zip(problems, samples)]
         if args.show:
             shown = [
@@ -186,7 +188,8 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
         )
         prompts = [tok.encode(p.prompt, add_bos=True) for p in problems]
         t_gen = time.perf_counter()
-        samples = engine.generate(
+        samples = sample_prompts(
+            engine,
             prompts,
             n=args.n_samples,
             temperature=args.temperature,
@@ -255,8 +258,8 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
     if args.show:
         for name, problems in (("train", train_problems), ("eval", eval_problems)):
             prompts = [tok.encode(p.prompt, add_bos=True) for p in problems]
-            samples = engine.generate(
-                prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens
+            samples = sample_prompts(
+                engine, prompts, n=1, temperature=0.0, max_tokens=args.eval_max_tokens
             )
             wrong = [
                 f"{p.prompt}{tok.decode(s[0].tokens)!r}"

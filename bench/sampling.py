@@ -1,10 +1,10 @@
 """Rollout batches per second with each sampler, side by side in one run.
 
 Builds the default job's rollout side (``RolloutManager``: envs, tokenizer, sampler) once with
-levanter's paged ``InferenceEngine`` and once with the dense sampler, and times
+each engine (levanter's paged ``InferenceEngine``, the dense sampler, the ``kv`` engine), and times
 ``sample_batch`` on one lesson: the whole batch (problems, prompts, generation, scoring,
 rollouts) and the generation calls alone. Prints milliseconds per batch and the dense/paged
-ratios (issue 11: the paged engine's host work per sequence dominates short answers).
+ratios to the paged engine (issue 11: its host work per sequence dominates short answers).
 
     python bench/sampling.py [--lesson add_1digit] [--batches 20] [--set KEY=VALUE ...]
     python bench/sampling.py --env guess --lesson guess_digit   # multi-turn episodes
@@ -66,16 +66,19 @@ def main() -> None:
     parser.add_argument("--lesson", default="add_1digit")
     parser.add_argument("--batches", type=int, default=20)
     parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--engines", nargs="+", default=["paged", "dense", "kv"])
     args = parser.parse_args()
-    results = {kind: measure(kind, args) for kind in ("paged", "dense")}
+    results = {kind: measure(kind, args) for kind in args.engines}
     print(f"{'sampler':>8} {'batch ms':>9} {'generate ms':>12} {'rollouts':>9}")
     for kind, r in results.items():
         print(f"{kind:>8} {r['batch_ms']:>9.1f} {r['generate_ms']:>12.1f} {r['rollouts']:>9.0f}")
-    paged, dense = results["paged"], results["dense"]
-    print(
-        f"dense / paged: batch {dense['batch_ms'] / paged['batch_ms']:.2f}x, "
-        f"generation {dense['generate_ms'] / paged['generate_ms']:.2f}x"
-    )
+    paged = results.get("paged")
+    for kind, r in results.items():
+        if paged is not None and kind != "paged":
+            print(
+                f"{kind} / paged: batch {r['batch_ms'] / paged['batch_ms']:.2f}x, "
+                f"generation {r['generate_ms'] / paged['generate_ms']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Sample through marinrl's SamplingEngine with the model split over N simulated CPU devices
+"""Sample through one of marinrl's engines (paged by default, or ENGINE: kv, dense) with the model split over N simulated CPU devices
 (tensor parallelism); used by tests/test_sharding.py.
 
-    python tests/sharded_sampling.py DEVICES TENSOR_PARALLEL DTYPE OUT.json
+    python tests/sharded_sampling.py DEVICES TENSOR_PARALLEL DTYPE OUT.json [ENGINE]
 
 Writes, for prompts of the default task: whether the engine's parameters are sharded, the
 largest gap between the logprob the sharded engine reported for each sampled token and the
@@ -18,6 +18,7 @@ import sys
 
 def main() -> None:
     devices, tp, dtype, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    kind = sys.argv[5] if len(sys.argv) > 5 else "paged"
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
@@ -29,8 +30,8 @@ def main() -> None:
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.logprobs import response_logprobs
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
-    from marin_rl_core.rollout.inference import SamplingEngine
-    from marin_rl_core.rollout.samplers import inference_mesh
+    from marin_rl_core.rollout.inference import sample_prompts
+    from marin_rl_core.rollout.samplers import inference_mesh, make_sampler
 
     tok = ArithmeticTokenizer()
     config = ModelConfig(
@@ -41,10 +42,10 @@ def main() -> None:
     kwargs = dict(
         max_seq_len=config.max_seq_len, eos_id=tok.eos_id, max_seqs=64, compute_dtype=dtype
     )
-    sharded = SamplingEngine(model, mesh=mesh, axis_mapping=mapping, **kwargs)
-    plain = SamplingEngine(model, **kwargs)
+    sharded = make_sampler(kind, model, mesh=mesh, axis_mapping=mapping, **kwargs)
+    plain = make_sampler(kind, model, **kwargs)
     prompts = [tok.encode(f"{a}+{b}=", add_bos=True) for a in range(4) for b in range(3)]
-    samples = sharded.generate(prompts, n=4, temperature=1.0, max_tokens=4, seed=5)
+    samples = sample_prompts(sharded, prompts, n=4, temperature=1.0, max_tokens=4, seed=5)
     pairs = [(p, s) for p, group in zip(prompts, samples) for s in group]
     trainer = response_logprobs(
         model, [p for p, _ in pairs], [s.tokens for _, s in pairs], max_seq_len=config.max_seq_len
@@ -53,7 +54,7 @@ def main() -> None:
     greedy = [
         [s.tokens.tolist() for s in group]
         for engine in (sharded, plain)
-        for group in engine.generate(prompts, n=1, temperature=0.0, max_tokens=4, seed=0)
+        for group in sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=4, seed=0)
     ]
     half = len(greedy) // 2
     leaves = [x for x in jax.tree.leaves(sharded.model) if hasattr(x, "sharding")]

@@ -18,6 +18,7 @@ SAMPLE = textwrap.dedent(
     from marin_rl_core.job import compile_cache
     from marin_rl_core.config import ModelConfig
     from marin_rl_core.rollout.dense_sampler import DenseSampler
+    from marin_rl_core.rollout.inference import sample_prompts
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
@@ -25,7 +26,7 @@ SAMPLE = textwrap.dedent(
     tok = ArithmeticTokenizer()
     model = build_model(ModelConfig(), tok, key=jax.random.PRNGKey(0))
     sampler = DenseSampler(model, max_seq_len=16, eos_id=tok.eos_id, max_seqs=8)
-    out = sampler.generate([tok.encode("3+4=", add_bos=True)], n=2, max_tokens=2, seed=1)
+    out = sample_prompts(sampler, [tok.encode("3+4=", add_bos=True)], n=2, max_tokens=2, seed=1)
     print([s.tokens.tolist() for s in out[0]])
     """
 )

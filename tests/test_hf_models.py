@@ -126,14 +126,14 @@ def test_a_checkpoint_brings_its_tokenizer_chat_template_and_stop_tokens(checkpo
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_sampler_decodes_each_family_with_the_trainers_logprobs(checkpoints, family):
     from marin_rl_core.models.logprobs import response_logprobs
-    from marin_rl_core.rollout.inference import SamplingEngine
+    from marin_rl_core.rollout.inference import SamplingEngine, sample_prompts
 
     config = ModelConfig(checkpoint=str(checkpoints[family]))
     tokenizer = model_tokenizer(config)
     model = build_model(config, tokenizer, key=jax.random.PRNGKey(0))
     engine = SamplingEngine(model, max_seq_len=32, eos_id=tokenizer.eos_id, max_seqs=8)
     prompt = encode_prompt(tokenizer, Problem(id="p", prompt="3+4="))
-    samples = engine.generate([prompt], n=4, max_tokens=6, stop_tokens=tokenizer.stop_ids)[0]
+    samples = sample_prompts(engine, [prompt], n=4, max_tokens=6, stop_tokens=tokenizer.stop_ids)[0]
     assert all(0 < s.tokens.size <= 6 for s in samples)
     ours = response_logprobs(
         model, [prompt] * 4, [s.tokens for s in samples], max_seq_len=32, pad_id=tokenizer.pad_id

@@ -19,6 +19,7 @@ from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 from marin_rl_core.models.build import build_model
 from marin_rl_core.models.logprobs import next_token_logprobs, response_logprobs
 from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+from marin_rl_core.rollout.inference import sample_prompts
 from marin_rl_core.rollout.samplers import make_sampler
 
 MAX_SEQ_LEN = 16
@@ -83,7 +84,7 @@ def greedy_reference(model, prompt, max_tokens, stops):
 
 def test_samples_have_the_requested_shape(fresh, tok):
     prompts = prompts_of(tok)
-    out = fresh.generate(prompts, n=4, temperature=1.0, max_tokens=5, seed=0)
+    out = sample_prompts(fresh, prompts, n=4, temperature=1.0, max_tokens=5, seed=0)
     assert len(out) == len(prompts) and all(len(group) == 4 for group in out)
     for group in out:
         for s in group:
@@ -97,7 +98,7 @@ def test_samples_have_the_requested_shape(fresh, tok):
 
 def test_greedy_matches_full_forward_decoding(fresh, models, tok):
     prompts = prompts_of(tok, 3)
-    out = fresh.generate(prompts, n=2, temperature=0.0, max_tokens=6)
+    out = sample_prompts(fresh, prompts, n=2, temperature=0.0, max_tokens=6)
     for prompt, group in zip(prompts, out):
         want = greedy_reference(models[0], prompt, 6, {tok.eos_id})
         assert group[0].tokens.tolist() == want
@@ -106,9 +107,9 @@ def test_greedy_matches_full_forward_decoding(fresh, models, tok):
 
 def test_seed_fixes_the_samples(fresh, tok):
     prompts = prompts_of(tok, 3)
-    a = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
-    b = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
-    c = fresh.generate(prompts, n=3, temperature=1.0, max_tokens=6, seed=8)
+    a = sample_prompts(fresh, prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
+    b = sample_prompts(fresh, prompts, n=3, temperature=1.0, max_tokens=6, seed=7)
+    c = sample_prompts(fresh, prompts, n=3, temperature=1.0, max_tokens=6, seed=8)
     tokens = lambda out: [s.tokens.tolist() for group in out for s in group]  # noqa: E731
     assert tokens(a) == tokens(b)
     assert tokens(a) != tokens(c)
@@ -121,10 +122,12 @@ def test_samples_follow_the_model_distribution(fresh, models, tok):
     next-token distribution: a sampler reporting the right logprobs could still draw wrongly."""
     prompt = prompts_of(tok, 1)[0]
     temperature = 2.0  # flattens the untrained model's distribution: many tokens get drawn
-    (group,) = fresh.generate([prompt], n=32, temperature=temperature, max_tokens=1, seed=11)
+    (group,) = sample_prompts(fresh, [prompt], n=32, temperature=temperature, max_tokens=1, seed=11)
     draws = [int(s.tokens[0]) for s in group]
     for seed in range(12, 27):  # 16 calls x 32 samples
-        (group,) = fresh.generate([prompt], n=32, temperature=temperature, max_tokens=1, seed=seed)
+        (group,) = sample_prompts(
+            fresh, [prompt], n=32, temperature=temperature, max_tokens=1, seed=seed
+        )
         draws += [int(s.tokens[0]) for s in group]
     row = prompt + [0] * (MAX_SEQ_LEN - len(prompt))
     x = hax.named(jnp.asarray([row], dtype=jnp.int32), ("batch", "position"))
@@ -148,7 +151,9 @@ def test_extra_stop_tokens_end_responses(fresh, models, tok):
     free = greedy_reference(models[0], prompt, 6, {tok.eos_id})
     assert len(free) >= 3, "pick a prompt whose greedy answer is long enough"
     stop = free[1]
-    (group,) = fresh.generate([prompt], n=1, temperature=0.0, max_tokens=6, stop_tokens=[stop])
+    (group,) = sample_prompts(
+        fresh, [prompt], n=1, temperature=0.0, max_tokens=6, stop_tokens=[stop]
+    )
     assert group[0].tokens.tolist() == free[: free.index(stop) + 1]
     assert group[0].stopped
 
@@ -157,7 +162,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(fresh, models, tok):
     """The equivalence the importance ratio rests on: for the same weights, the logprob the
     engine reports for each sampled token equals the trainer's (full forward) logprob."""
     prompts = prompts_of(tok, 6)
-    out = fresh.generate(prompts, n=4, temperature=1.0, max_tokens=6, seed=3)
+    out = sample_prompts(fresh, prompts, n=4, temperature=1.0, max_tokens=6, seed=3)
     rollouts = [
         Rollout.single_turn(
             env_name="mock",
@@ -191,7 +196,7 @@ def test_sampler_logprobs_equal_trainer_logprobs(fresh, models, tok):
 
 def test_tempered_sampling_reports_tempered_logprobs(fresh, models, tok):
     prompts = prompts_of(tok, 2)
-    out = fresh.generate(prompts, n=2, temperature=0.5, max_tokens=4, seed=1)
+    out = sample_prompts(fresh, prompts, n=2, temperature=0.5, max_tokens=4, seed=1)
     flat = [(p, s) for p, group in zip(prompts, out) for s in group]
     got = response_logprobs(
         models[0],
@@ -211,7 +216,7 @@ def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, to
     prompts = prompts_of(tok, 4)
     rollouts, temps = [], []
     for temperature, seed in ((0.5, 1), (1.5, 2)):
-        out = fresh.generate(prompts, n=2, temperature=temperature, max_tokens=4, seed=seed)
+        out = sample_prompts(fresh, prompts, n=2, temperature=temperature, max_tokens=4, seed=seed)
         for i, (prompt, group) in enumerate(zip(prompts, out)):
             for s in group:
                 rollouts.append(
@@ -250,15 +255,15 @@ def test_a_batch_mixing_temperatures_matches_each_rows_sampler(fresh, models, to
 def test_new_weights_are_used_after_update_model(engine, models, tok):
     prompts = prompts_of(tok, 3)
     engine.update_model(models[0])
-    before = engine.generate(prompts, n=1, temperature=0.0, max_tokens=6)
+    before = sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=6)
     engine.update_model(models[1])
-    after = engine.generate(prompts, n=1, temperature=0.0, max_tokens=6)
+    after = sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=6)
     for prompt, old, new in zip(prompts, before, after):
         assert old[0].tokens.tolist() == greedy_reference(models[0], prompt, 6, {tok.eos_id})
         assert new[0].tokens.tolist() == greedy_reference(models[1], prompt, 6, {tok.eos_id})
     assert [g[0].tokens.tolist() for g in before] != [g[0].tokens.tolist() for g in after]
     # Sampled logprobs come from the new weights as well.
-    sampled = engine.generate(prompts, n=2, temperature=1.0, max_tokens=4, seed=5)
+    sampled = sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=5)
     flat = [(p, s) for p, group in zip(prompts, sampled) for s in group]
     want = response_logprobs(
         models[1], [p for p, _ in flat], [s.tokens for _, s in flat], max_seq_len=MAX_SEQ_LEN
@@ -269,7 +274,9 @@ def test_new_weights_are_used_after_update_model(engine, models, tok):
 
 def test_more_samples_than_slots_are_chunked(fresh, models, tok):
     prompts = [tok.encode(f"{a}*{b}=", add_bos=True) for a in range(5) for b in range(4)]
-    out = fresh.generate(prompts, n=4, temperature=0.0, max_tokens=3)  # 80 sequences, 32 slots
+    out = sample_prompts(
+        fresh, prompts, n=4, temperature=0.0, max_tokens=3
+    )  # 80 sequences, 32 slots
     assert len(out) == 20
     for prompt, group in list(zip(prompts, out))[::7]:
         assert group[0].tokens.tolist() == greedy_reference(models[0], prompt, 3, {tok.eos_id})
@@ -277,11 +284,11 @@ def test_more_samples_than_slots_are_chunked(fresh, models, tok):
 
 def test_bad_requests_are_rejected_with_the_limit(fresh, tok):
     with pytest.raises(ValueError, match="prompts need 1..15 tokens"):
-        fresh.generate([[1] * MAX_SEQ_LEN], n=1)
+        sample_prompts(fresh, [[1] * MAX_SEQ_LEN], n=1)
     with pytest.raises(ValueError, match="n must be in 1..32"):
-        fresh.generate(prompts_of(tok, 1), n=33)
+        sample_prompts(fresh, prompts_of(tok, 1), n=33)
     with pytest.raises(ValueError, match="at most 4"):
-        fresh.generate(prompts_of(tok, 1), n=1, stop_tokens=[10, 11, 12, 13])
+        sample_prompts(fresh, prompts_of(tok, 1), n=1, stop_tokens=[10, 11, 12, 13])
 
 
 def test_update_model_rejects_a_different_architecture(fresh, models):
@@ -301,7 +308,7 @@ def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, 
         [tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)]
         for length in (15, 16, 17, 30)
     ]
-    samples = engine.generate(prompts, n=2, temperature=1.0, max_tokens=8, seed=3)
+    samples = sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=8, seed=3)
     responses = [s.tokens for group in samples for s in group]
     ours = response_logprobs(
         models[1],
@@ -327,8 +334,8 @@ def test_kv_samples_do_not_depend_on_slots_or_rounds(models, tok):
     kwargs = dict(max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id)
     small = KVCacheEngine(models[0], max_seqs=4, steps_per_round=2, **kwargs)
     large = KVCacheEngine(models[0], max_seqs=64, **kwargs)
-    a = small.generate(prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
-    b = large.generate(prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
+    a = sample_prompts(small, prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
+    b = sample_prompts(large, prompts, n=3, temperature=1.0, max_tokens=8, seed=4)
     assert small.prefills > 9 and small.rounds > large.rounds  # 36 rows through 4 slots
     for group_a, group_b in zip(a, b):
         for x, y in zip(group_a, group_b):
@@ -339,19 +346,21 @@ def test_kv_samples_do_not_depend_on_slots_or_rounds(models, tok):
 def test_kv_requests_in_one_call_keep_their_own_settings(models, tok):
     """Rows of different requests share rounds (the generation queue's case): each keeps its
     temperature, budget and stop ids."""
-    from marin_rl_core.rollout.kv_engine import GenerationRequest, KVCacheEngine
+    from marin_rl_core.generation import GenerationRequest
+    from marin_rl_core.rollout.kv_engine import KVCacheEngine
 
     engine = KVCacheEngine(models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=8)
     prompt = prompts_of(tok, 1)[0]
     free = greedy_reference(models[0], prompt, 6, {tok.eos_id})
     assert len(free) >= 3
-    eos = [tok.eos_id]
-    greedy, budget, stop, sampled = engine.generate_requests(
+    greedy, budget, stop, sampled = engine.generate(
         [
-            GenerationRequest(prompt, 2, 0.0, 6, eos, seed=0, fold=0),
-            GenerationRequest(prompt, 1, 0.0, 2, eos, seed=0, fold=1),
-            GenerationRequest(prompt, 1, 0.0, 6, [tok.eos_id, free[1]], seed=0, fold=2),
-            GenerationRequest(prompt, 3, 1.5, 6, eos, seed=0, fold=3),
+            GenerationRequest(prompt=prompt, n=2, temperature=0.0, max_tokens=6, fold=0),
+            GenerationRequest(prompt=prompt, temperature=0.0, max_tokens=2, fold=1),
+            GenerationRequest(
+                prompt=prompt, temperature=0.0, max_tokens=6, stop_tokens=[free[1]], fold=2
+            ),
+            GenerationRequest(prompt=prompt, n=3, temperature=1.5, max_tokens=6, fold=3),
         ]
     )
     assert [s.tokens.tolist() for s in greedy] == [free, free]
@@ -377,6 +386,6 @@ def test_kv_engine_sizes_its_slots_from_the_memory_budget(models, tok):
     engine = KVCacheEngine(models[0], memory_fraction=fraction, **kwargs)
     assert 10 < engine.max_seqs < 1000
     with pytest.raises(ValueError, match=f"n must be in 1..{engine.max_seqs}"):
-        engine.generate(prompts_of(tok, 1), n=engine.max_seqs + 1)
+        sample_prompts(engine, prompts_of(tok, 1), n=engine.max_seqs + 1)
     with pytest.raises(ValueError, match="raise the engine's memory_fraction"):
         KVCacheEngine(models[0], memory_fraction=layers / free / 2, **kwargs)

@@ -180,12 +180,17 @@ def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
 
 
 @pytest.mark.parametrize(
-    ("devices", "tp", "dtype", "tolerance"),
-    [(4, 4, "float32", 1e-4), pytest.param(4, 2, "bfloat16", 0.1, marks=pytest.mark.slow)],
-    ids=["tp4-float32", "tp2-bfloat16"],
+    ("engine", "devices", "tp", "dtype", "tolerance"),
+    [
+        ("kv", 4, 4, "float32", 1e-4),
+        ("paged", 4, 4, "float32", 1e-4),
+        pytest.param("kv", 4, 2, "bfloat16", 0.1, marks=pytest.mark.slow),
+        pytest.param("paged", 4, 2, "bfloat16", 0.1, marks=pytest.mark.slow),
+    ],
+    ids=["kv-tp4-float32", "paged-tp4-float32", "kv-tp2-bfloat16", "paged-tp2-bfloat16"],
 )
 def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scores(
-    tmp_path, devices, tp, dtype, tolerance
+    tmp_path, engine, devices, tp, dtype, tolerance
 ):
     """The inference engine split over a worker's devices (tensor parallelism) reports, for each
     token it samples, the logprob the trainer computes for it (to float32 rounding; bfloat16
@@ -196,7 +201,7 @@ def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scor
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = Path(__file__).with_name("sharded_sampling.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(devices), str(tp), dtype, str(out)],
+        [sys.executable, str(script), str(devices), str(tp), dtype, str(out), engine],
         capture_output=True,
         text=True,
         env=env,

@@ -43,6 +43,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from marin_rl_core.generation import GenerationRequest
 from marin_rl_core.rollout.agent_api import (
     APIError,
     Request,
@@ -92,7 +93,7 @@ class _Job:
     session: AgentSession
     prompt: list[int]
     seeds: list[int]
-    key: tuple[float, int, tuple[int, ...]]
+    key: tuple[float, int, tuple[int, ...]]  # the call's temperature, budget and stop ids
     future: asyncio.Future[Any]
 
 
@@ -100,7 +101,8 @@ class AgentServer:
     """The endpoint (see the module docstring).
 
     Args:
-        generate: the sampler's ``generate`` (called on ``executor``, one call at a time).
+        generate: the engine's ``generate`` of :class:`~marin_rl_core.generation.GenerationRequest`
+            s (called on ``executor``, one call at a time).
         executor: where generation runs (the rollout worker's generation thread).
         tokenizer: renders chat messages, encodes text prompts, decodes samples.
         max_seq_len: the most tokens of one call (prompt + completion).
@@ -519,32 +521,25 @@ class AgentServer:
                 except TimeoutError:
                     break
             jobs, self._pending = self._pending, []
-            groups: dict[tuple[float, int, tuple[int, ...]], list[_Job]] = {}
-            for job in jobs:
-                groups.setdefault(job.key, []).append(job)
-            for (temperature, budget, stops), group in groups.items():
-                await self._sample(group, temperature, budget, stops)
+            await self._sample(jobs)  # each call's own settings: one generation call for all
             if self._pending:
                 wake.set()
 
-    async def _sample(
-        self, jobs: list[_Job], temperature: float, budget: int, stops: tuple[int, ...]
-    ) -> None:
-        prompts = [job.prompt for job in jobs for _ in job.seeds]
-        seeds = [seed for job in jobs for seed in job.seeds]
+    async def _sample(self, jobs: list[_Job]) -> None:
+        requests = [
+            GenerationRequest(
+                prompt=job.prompt,
+                temperature=job.key[0],
+                max_tokens=job.key[1],
+                stop_tokens=job.key[2],
+                seed=seed % 2**32,
+            )
+            for job in jobs
+            for seed in job.seeds
+        ]
         start = time.perf_counter()
         try:
-            out = await asyncio.wrap_future(
-                self._executor.submit(
-                    self._generate,
-                    prompts,
-                    n=1,
-                    temperature=temperature,
-                    max_tokens=budget,
-                    stop_tokens=list(stops),
-                    prompt_seeds=seeds,
-                )
-            )
+            out = await asyncio.wrap_future(self._executor.submit(self._generate, requests))
         except Exception as exc:  # noqa: BLE001 - each waiting call answers with it
             for job in jobs:
                 if not job.future.done():

@@ -15,9 +15,11 @@ import numpy as np
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.generation import GenerationRequest, Sample
 from marin_rl_core.models.logprobs import tempered_logits
 from marin_rl_core.models.packing import BATCH, POS, row_length
-from marin_rl_core.rollout.inference import Sample, Sampler, check_request
+from marin_rl_core.rollout.inference import Sampler, check_requests, row_keys
+from marin_rl_core.rollout.next_token import draw_next_tokens
 
 
 def _bucket(n: int, *, multiple: int) -> int:
@@ -52,9 +54,9 @@ def _dense_sample(
     """Sample responses for right-padded prompts with one full forward pass per token.
 
     ``tokens [B, T]`` holds each prompt at ``0..prompt_len-1``; row ``b`` gets up to
-    ``budget[b]`` tokens, drawn with ``fold_in(key_b, step)`` where ``key_b`` is
-    ``PRNGKey(seeds[b])``, folded with ``fold[b]`` (unless negative) and then ``sample[b]``; a
-    row ends at a stop token. Returns ``(tokens, logprobs, lengths)``: the rows with their
+    ``budget[b]`` tokens at ``temperature[b]`` (greedy where ``<= 0``), drawn with
+    ``fold_in(key_b, step)`` where ``key_b`` is ``PRNGKey(seeds[b])``, folded with ``fold[b]``
+    (unless negative) and then ``sample[b]``; a row ends at one of its ``stops[b]``. Returns ``(tokens, logprobs, lengths)``: the rows with their
     responses written in (nothing after a row's end), each response token's logprob at the
     token's position, and each response's length. The logits come from the same forward pass and the
     same float32 projection (:func:`~marin_rl_core.models.logprobs.tempered_logits`) as the trainer's
@@ -63,14 +65,8 @@ def _dense_sample(
     rows, width = tokens.shape
     lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
 
-    def row_key(seed, fold, sample):  # type: ignore[no-untyped-def]
-        key = jax.random.PRNGKey(seed)
-        key = jnp.where(fold >= 0, jax.random.fold_in(key, fold), key)
-        return jax.random.fold_in(key, sample)
-
-    keys = jax.vmap(row_key)(seeds, fold, sample)
-    greedy = temperature <= 0
-    safe_t = jnp.broadcast_to(jnp.where(greedy, 1.0, temperature), (rows,))
+    keys = row_keys(seeds, fold, sample)
+    ones = jnp.ones(rows, jnp.float32)
     row_index = jnp.arange(rows)
 
     def body(carry):  # type: ignore[no-untyped-def]
@@ -79,18 +75,13 @@ def _dense_sample(
         hidden = model.activations(ids, attn_mask=AttentionMask.causal())
         hidden = hidden.rearrange((BATCH, POS, model.Embed)).array
         at = jnp.clip(prompt_len + step - 1, 0, width - 1)
-        logits = tempered_logits(hidden[row_index, at], lm_head, safe_t)
-        step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-        drawn = jax.vmap(jax.random.categorical)(step_keys, logits)
-        new = jnp.where(greedy, jnp.argmax(logits, axis=-1), drawn).astype(tokens.dtype)
-        logprob = jnp.take_along_axis(logits, new[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(
-            logits, axis=-1
-        )
+        logits = tempered_logits(hidden[row_index, at], lm_head, ones)
+        new, logprob = draw_next_tokens(logits, keys, jnp.full(rows, step), temperature)
         live = ~done
         pos = jnp.clip(prompt_len + step, 0, width - 1)
         tokens = tokens.at[row_index, pos].set(jnp.where(live, new, tokens[row_index, pos]))
         logprobs = logprobs.at[row_index, pos].set(jnp.where(live, logprob, 0.0))
-        stopped = jnp.any(new[:, None] == stops[None, :], axis=-1)
+        stopped = jnp.any(new[:, None] == stops, axis=-1)
         done = done | (live & (stopped | (step + 1 >= budget)))
         return step + 1, tokens, logprobs, done, lengths + live
 
@@ -148,50 +139,39 @@ class DenseSampler(Sampler):
         )
         self.max_seqs = max_seqs
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int = 1,
-        temperature: float = 1.0,
-        max_tokens: int = 16,
-        stop_tokens: Sequence[int] = (),
-        seed: int = 0,
-        prompt_seeds: Sequence[int] | None = None,
-    ) -> list[list[Sample]]:
-        """As :meth:`SamplingEngine.generate`."""
-        stops = check_request(
-            prompts, n, stop_tokens, prompt_seeds,
-            eos_id=self.eos_id, max_seqs=self.max_seqs, max_stop_tokens=self.max_stop_tokens,
-            max_seq_len=self.max_seq_len,
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """As :meth:`SamplingEngine.generate <marin_rl_core.rollout.inference.SamplingEngine.generate>`."""
+        stops = check_requests(
+            requests, eos_id=self.eos_id, max_seqs=self.max_seqs,
+            max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
         )  # fmt: skip
-        stop_array = np.full(self.max_stop_tokens, stops[0], dtype=np.int32)
-        stop_array[: len(stops)] = stops
-        # Each row's key: PRNGKey(seed) folded with the prompt's index, or PRNGKey of the
-        # prompt's own seed; then folded with the sample's index (see _dense_sample).
-        count = len(prompts) * n
-        prompt_of = np.repeat(np.arange(len(prompts), dtype=np.int32), n)
-        sample_of = np.tile(np.arange(n, dtype=np.int32), len(prompts))
-        if prompt_seeds is None:
-            seed_of = np.full(count, seed % 2**32, dtype=np.uint32)
-            fold_of = prompt_of
-        else:
-            per_prompt = np.asarray([int(x) % 2**32 for x in prompt_seeds], dtype=np.uint32)
-            seed_of = np.repeat(per_prompt, n)
-            fold_of = np.full(count, -1, dtype=np.int32)
+        # One row per sample: its request, its index among the request's samples.
+        request_of = np.repeat(np.arange(len(requests)), [r.n for r in requests])
+        sample_of = np.concatenate([np.arange(r.n) for r in requests]).astype(np.int32)
+        count = request_of.size
+        stop_rows = np.zeros((len(requests), self.max_stop_tokens), dtype=np.int32)
+        for i, own in enumerate(stops):
+            stop_rows[i] = own[0]
+            stop_rows[i, : len(own)] = own
+        seeds = np.asarray([r.seed % 2**32 for r in requests], dtype=np.uint32)
+        folds = np.asarray([r.fold for r in requests], dtype=np.int32)
+        temps = np.asarray([r.temperature for r in requests], dtype=np.float32)
 
-        results: list[list[Sample]] = [[] for _ in prompts]
-        stop_set = set(stops)
+        results: list[list[Sample]] = [[] for _ in requests]
         for start in range(0, count, self.max_seqs):
             rows = range(start, min(start + self.max_seqs, count))
             size = len(rows)
-            lengths = np.asarray([len(prompts[prompt_of[r]]) for r in rows], dtype=np.int32)
-            budgets = np.minimum(max_tokens, self.max_seq_len - lengths).astype(np.int32)
+            which = request_of[start : start + size]
+            lengths = np.asarray([len(requests[i].prompt) for i in which], dtype=np.int32)
+            wants = np.asarray([requests[i].max_tokens for i in which], dtype=np.int32)
+            budgets = np.minimum(wants, self.max_seq_len - lengths).astype(np.int32)
             width = row_length(int((lengths + budgets).max()), self.max_seq_len)
             height = _bucket(size, multiple=64)
             tokens = np.zeros((height, width), dtype=np.int32)
-            for row, r in enumerate(rows):
-                tokens[row, : lengths[row]] = prompts[prompt_of[r]]
+            for row, i in enumerate(which):
+                tokens[row, : lengths[row]] = requests[i].prompt
+            stop_array = np.zeros((height, self.max_stop_tokens), dtype=np.int32)
+            stop_array[:size] = stop_rows[which]
 
             with self._on_mesh():
                 out_tokens, out_logprobs, out_lengths = _dense_sample(
@@ -199,22 +179,22 @@ class DenseSampler(Sampler):
                     jnp.asarray(tokens),
                     _pad(lengths, height, 1),
                     _pad(budgets, height, 0),
-                    _pad(seed_of[start : start + size], height, 0),
-                    _pad(fold_of[start : start + size], height, -1),
+                    _pad(seeds[which], height, 0),
+                    _pad(folds[which], height, -1),
                     _pad(sample_of[start : start + size], height, 0),
-                    jnp.asarray(temperature, jnp.float32),
+                    _pad(temps[which], height, 1),
                     jnp.asarray(stop_array),
                 )
             out_tokens, out_logprobs = np.asarray(out_tokens), np.asarray(out_logprobs)
             out_lengths = np.asarray(out_lengths)
-            for row, r in enumerate(rows):
+            for row, i in enumerate(which):
                 begin, end = int(lengths[row]), int(lengths[row] + out_lengths[row])
                 response = out_tokens[row, begin:end]
-                results[prompt_of[r]].append(
+                results[i].append(
                     Sample(
                         tokens=response,
                         logprobs=out_logprobs[row, begin:end],
-                        stopped=end > begin and int(response[-1]) in stop_set,
+                        stopped=end > begin and int(response[-1]) in stops[i],
                     )
                 )
         return results

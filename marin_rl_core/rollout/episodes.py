@@ -47,6 +47,7 @@ from typing import Any
 import attrs
 
 from marin_rl_core.config.schema import EpisodesConfig
+from marin_rl_core.generation import requests_for
 from marin_rl_core.models.tokenizer import response_stop_ids
 from marin_rl_core.protocols import MultiTurnEnv
 from marin_rl_core.rollout.env_threads import (
@@ -75,11 +76,11 @@ logger = logging.getLogger(__name__)
 
 
 class EpisodeRunner:
-    """Runs episodes against a :class:`~marin_rl_core.rollout.inference.SamplingEngine`; see the module
-    docstring.
+    """Runs episodes against a generation engine; see the module docstring.
 
     Args:
-        engine: the sampling engine (its ``generate`` is called from one thread at a time).
+        engine: a :class:`~marin_rl_core.protocols.GenerationEngine` (its ``generate`` is
+            called from one thread at a time).
         tokenizer: encodes observations and decodes actions.
         use_chat_template: render chat observations through the tokenizer's chat template.
         max_seq_len: the most tokens of one episode's sample.
@@ -334,14 +335,15 @@ class EpisodeRunner:
 
         async def generate(batch: list[Live], **kwargs: Any) -> list[list[Any]]:
             start = time.perf_counter()
+            requests = requests_for(
+                kwargs.pop("prompts"),
+                temperature=sampling.temperature,
+                max_tokens=sampling.max_tokens,
+                stop_tokens=stop_tokens,
+                **kwargs,
+            )
             out = await asyncio.wrap_future(
-                self._generate_thread.submit(
-                    self.engine.generate,
-                    temperature=sampling.temperature,
-                    max_tokens=sampling.max_tokens,
-                    stop_tokens=stop_tokens,
-                    **kwargs,
-                )
+                self._generate_thread.submit(self.engine.generate, requests)
             )
             timing["generate_seconds"] += time.perf_counter() - start
             timing["generate_calls"] += 1

@@ -32,7 +32,6 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import attrs
 import haliax as hax
 import jax
 import jax.numpy as jnp
@@ -41,25 +40,10 @@ from levanter.inference.engine import InferenceEngine, InferenceEngineConfig, Re
 from levanter.inference.jit_scheduler import SeqDecodingParams
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.generation import GenerationRequest, Sample, requests_for
 from marin_rl_core.models.build import cast_floating
 
 logger = logging.getLogger(__name__)
-
-
-@attrs.frozen(eq=False)
-class Sample:
-    """One sampled response.
-
-    Args:
-        tokens: int32 response tokens, ending with the stop token when one was hit.
-        logprobs: float32, the sampling distribution's logprob of each token.
-        stopped: whether the response ended with a stop token (``False``: it hit
-            ``max_tokens``; the rollout is then *truncated*).
-    """
-
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    stopped: bool
 
 
 def _check_same_shapes(old: LmHeadModel, new: LmHeadModel) -> None:
@@ -74,35 +58,55 @@ def _check_same_shapes(old: LmHeadModel, new: LmHeadModel) -> None:
         )
 
 
-def check_request(
-    prompts: Sequence[Sequence[int]],
-    n: int,
-    stop_tokens: Sequence[int],
-    prompt_seeds: Sequence[int] | None,
+def check_requests(
+    requests: Sequence[GenerationRequest],
     *,
     eos_id: int,
     max_seqs: int,
     max_stop_tokens: int,
     max_seq_len: int,
-) -> list[int]:
-    """Reject a request a sampler cannot serve, naming the limit; returns the stop tokens."""
-    if n < 1 or n > max_seqs:
-        raise ValueError(f"n must be in 1..{max_seqs} (max_seqs), got {n}")
-    stops = list(dict.fromkeys([eos_id, *map(int, stop_tokens)]))
-    if len(stops) > max_stop_tokens:
-        raise ValueError(
-            f"{len(stops)} stop tokens (EOS included) but the engine was built for at most "
-            f"{max_stop_tokens}; pass max_stop_tokens= when building it"
-        )
-    for i, prompt in enumerate(prompts):
-        if not 0 < len(prompt) < max_seq_len:
+) -> list[list[int]]:
+    """Reject a request an engine cannot serve, naming the limit; returns each request's stop
+    ids (EOS first, no repeats)."""
+    stops = []
+    for i, request in enumerate(requests):
+        if request.n < 1 or request.n > max_seqs:
+            raise ValueError(f"n must be in 1..{max_seqs} (max_seqs), got {request.n}")
+        if not 0 < len(request.prompt) < max_seq_len:
             raise ValueError(
-                f"prompt {i} has {len(prompt)} tokens; prompts need 1..{max_seq_len - 1} "
-                f"tokens (max_seq_len={max_seq_len})"
+                f"prompt {i} has {len(request.prompt)} tokens; prompts need "
+                f"1..{max_seq_len - 1} tokens (max_seq_len={max_seq_len})"
             )
-    if prompt_seeds is not None and len(prompt_seeds) != len(prompts):
-        raise ValueError(f"{len(prompt_seeds)} prompt_seeds for {len(prompts)} prompts")
+        own = list(dict.fromkeys([eos_id, *request.stop_tokens]))
+        if len(own) > max_stop_tokens:
+            raise ValueError(
+                f"{len(own)} stop tokens (EOS included) but the engine was built for at most "
+                f"{max_stop_tokens}; pass max_stop_tokens= when building it"
+            )
+        stops.append(own)
     return stops
+
+
+def sample_prompts(
+    engine: Any, prompts: Sequence[Sequence[int]], **settings: Any
+) -> list[list[Sample]]:
+    """``engine.generate`` of one request per prompt with shared ``settings`` (those of
+    :func:`~marin_rl_core.generation.requests_for`: ``n``, ``temperature``, ``max_tokens``,
+    ``stop_tokens``, ``seed``, ``prompt_seeds``); ``result[i][k]`` is the ``k``-th sample of
+    ``prompts[i]``."""
+    return engine.generate(requests_for(prompts, **settings))
+
+
+def row_keys(seed: jax.Array, fold: jax.Array, sample: jax.Array) -> jax.Array:
+    """Each row's sampling key: ``fold_in(PRNGKey(seed), fold)`` (no fold where ``fold < 0``),
+    folded with the sample's index (vectorized over rows)."""
+
+    def one(seed, fold, sample):  # type: ignore[no-untyped-def]
+        key = jax.random.PRNGKey(seed)
+        key = jnp.where(fold >= 0, jax.random.fold_in(key, fold), key)
+        return jax.random.fold_in(key, sample)
+
+    return jax.vmap(one)(seed, fold, sample)
 
 
 class Sampler:
@@ -230,103 +234,79 @@ class SamplingEngine(Sampler):
         super().update_model(model)
         self._engine.model = self._model
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int = 1,
-        temperature: float = 1.0,
-        max_tokens: int = 16,
-        stop_tokens: Sequence[int] = (),
-        seed: int = 0,
-        prompt_seeds: Sequence[int] | None = None,
-    ) -> list[list[Sample]]:
-        """Sample ``n`` responses for each prompt.
-
-        Args:
-            prompts: token ids of each prompt (no padding).
-            n: samples per prompt.
-            temperature: softmax temperature; 0 is greedy (all ``n`` samples are then equal).
-            max_tokens: the most tokens of one response (lowered to fit ``max_seq_len``).
-            stop_tokens: ids that end a response, besides EOS.
-            seed: the same seed, prompts and weights give the same samples.
-            prompt_seeds: one seed per prompt instead: each prompt's samples then depend on its
-                own seed only, not on the other prompts of the call (multi-turn episodes are
-                batched with whichever others wait at that moment).
-
-        Returns:
-            ``result[i][k]`` is the ``k``-th sample for ``prompts[i]``.
-        """
-        stops = check_request(
-            prompts, n, stop_tokens, prompt_seeds,
-            eos_id=self.eos_id, max_seqs=self._config.max_seqs,
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """Sample every request (see :class:`~marin_rl_core.protocols.GenerationEngine`):
+        ``result[i][k]`` is the ``k``-th sample of ``requests[i]``."""
+        stops = check_requests(
+            requests, eos_id=self.eos_id, max_seqs=self._config.max_seqs,
             max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
         )  # fmt: skip
-        stop_array = hax.named(
-            jnp.asarray([[s] for s in stops], dtype=jnp.int32), ("stop_seq", "position")
-        )
-        base_key = jax.random.PRNGKey(seed)
-
         results: list[list[Sample]] = []
-        for chunk_start, chunk in self._chunks(prompts, n):
-            requests = []
-            for j, prompt in enumerate(chunk):
-                prompt_len = len(prompt)
-                budget = min(max_tokens, self.max_seq_len - prompt_len)
+        for chunk_start, chunk in self._chunks(requests):
+            batch = []
+            for j, request in enumerate(chunk):
+                own = stops[chunk_start + j]
+                prompt_len = len(request.prompt)
+                budget = min(request.max_tokens, self.max_seq_len - prompt_len)
+                key = jax.random.PRNGKey(request.seed)
+                if request.fold >= 0:
+                    key = jax.random.fold_in(key, request.fold)
                 params = SeqDecodingParams(
                     max_num_tokens=jnp.asarray(prompt_len + budget, dtype=jnp.int32),
-                    stop_tokens=stop_array,
-                    temperature=jnp.asarray(temperature, dtype=jnp.float32),
-                    key=(
-                        jax.random.fold_in(base_key, chunk_start + j)
-                        if prompt_seeds is None
-                        else jax.random.PRNGKey(int(prompt_seeds[chunk_start + j]))
+                    stop_tokens=hax.named(
+                        jnp.asarray([[t] for t in own], dtype=jnp.int32), ("stop_seq", "position")
                     ),
+                    temperature=jnp.asarray(request.temperature, dtype=jnp.float32),
+                    key=key,
                 )
-                requests.append(
+                batch.append(
                     Request(
-                        prompt_tokens=[int(t) for t in prompt],
+                        prompt_tokens=list(request.prompt),
                         request_id=j,
                         decode_params=params,
-                        n_generations=n,
+                        n_generations=request.n,
                         enable_logprobs=True,
                     )
                 )
             with self._on_mesh():
-                out = self._engine.generate(requests)
+                out = self._engine.generate(batch)
                 self._check_engine_drained()
-            stop_set = set(stops)
-            for j in range(len(chunk)):
+            row = 0
+            for j, request in enumerate(chunk):
+                stop_set = set(stops[chunk_start + j])
                 samples = []
-                for k in range(n):
-                    tokens = np.asarray(out.tokens[j * n + k], dtype=np.int32)
-                    logprobs = np.asarray(out.logprobs[j * n + k], dtype=np.float32)
+                for _ in range(request.n):
+                    tokens = np.asarray(out.tokens[row], dtype=np.int32)
+                    logprobs = np.asarray(out.logprobs[row], dtype=np.float32)
                     stopped = bool(tokens.size) and int(tokens[-1]) in stop_set
                     samples.append(Sample(tokens=tokens, logprobs=logprobs, stopped=stopped))
+                    row += 1
                 results.append(samples)
         return results
 
-    def _chunks(self, prompts: Sequence[Sequence[int]], n: int):
-        """Consecutive runs of prompts whose samples fit in the slots and whose prompt tokens fit
-        in the prefill buffer, so each ``generate`` of the engine finishes in one decode loop."""
-        max_prompts = self._config.max_seqs // n
+    def _chunks(self, requests: Sequence[GenerationRequest]):  # type: ignore[no-untyped-def]
+        """Consecutive runs of requests whose samples fit in the slots and whose prompt tokens
+        fit in the prefill buffer, so each ``generate`` of the engine finishes in one decode
+        loop."""
+        slots = self._config.max_seqs
         budget = int(self._config.max_prefill_size)
         start = 0
-        while start < len(prompts):
-            end, tokens = start, 0
+        while start < len(requests):
+            end, tokens, rows = start, 0, 0
             while (
-                end < len(prompts)
-                and end - start < max_prompts
-                and tokens + len(prompts[end]) <= budget
+                end < len(requests)
+                and rows + requests[end].n <= slots
+                and tokens + len(requests[end].prompt) <= budget
             ):
-                tokens += len(prompts[end])
+                tokens += len(requests[end].prompt)
+                rows += requests[end].n
                 end += 1
             if end == start:
                 raise ValueError(
-                    f"prompt {start} ({len(prompts[start])} tokens) does not fit in the prefill "
-                    f"buffer of {budget} tokens"
+                    f"prompt {start} ({len(requests[start].prompt)} tokens) does not fit in the "
+                    f"prefill buffer of {budget} tokens"
                 )
-            yield start, prompts[start:end]
+            yield start, requests[start:end]
             start = end
 
     def _check_engine_drained(self) -> None:
@@ -337,4 +317,4 @@ class SamplingEngine(Sampler):
         self._engine = self._new_engine()
 
 
-__all__ = ["Sample", "SamplingEngine"]
+__all__ = ["SamplingEngine", "check_requests", "row_keys", "sample_prompts"]

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from levanter.models.llama import LlamaLMHeadModel
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.rollout.inference import row_keys
 from marin_rl_core.rollout.next_token import draw_next_tokens
 
 
@@ -224,12 +225,7 @@ def prefill(
     last = hidden[jnp.arange(n_prompts), prompt_len - 1]  # [P, embed]
     logits = _logits(last[source], _lm_head(model))
 
-    def row_key(seed, fold, sample):  # type: ignore[no-untyped-def]
-        key = jax.random.PRNGKey(seed)
-        key = jnp.where(fold >= 0, jax.random.fold_in(key, fold), key)
-        return jax.random.fold_in(key, sample)
-
-    keys = jax.vmap(row_key)(seed, fold, sample)
+    keys = row_keys(seed, fold, sample)
     token, logprob = draw_next_tokens(logits, keys, jnp.zeros_like(sample), temperature)
     length = prompt_len[source] + 1
     rows = jnp.zeros((slots.shape[0], state.tokens.shape[1]), jnp.int32)

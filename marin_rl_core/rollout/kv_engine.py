@@ -33,20 +33,21 @@ q/k norms as their attention modules have them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from levanter.models.lm_model import LmHeadModel
 
-from marin_rl_core.rollout.inference import Sample, Sampler, check_request
+from marin_rl_core.generation import GenerationRequest, Sample
+from marin_rl_core.rollout.inference import Sampler, check_requests
 from marin_rl_core.rollout.kv_decode import (
     DecodeState,
     check_model,
@@ -75,29 +76,6 @@ def bucket(n: int, *, least: int = 1, most: int | None = None) -> int:
     while size < n:
         size *= 2
     return size if most is None else min(size, most)
-
-
-@attrs.frozen
-class GenerationRequest:
-    """``n`` samples of one prompt, with the sampling settings of its own.
-
-    Args:
-        prompt: the prompt's token ids.
-        n: samples of it.
-        temperature: softmax temperature; 0 is greedy.
-        max_tokens: the most tokens of one response (lowered to fit ``max_seq_len``).
-        stop_tokens: ids that end a response (EOS included by the caller).
-        seed, fold: the row key is ``fold_in(PRNGKey(seed), fold)`` (no fold when ``fold < 0``),
-            folded with the sample's index, then with each token's index in the response.
-    """
-
-    prompt: Sequence[int]
-    n: int
-    temperature: float
-    max_tokens: int
-    stop_tokens: Sequence[int]
-    seed: int
-    fold: int
 
 
 # --- the engine -----------------------------------------------------------------------------------
@@ -221,42 +199,35 @@ class KVCacheEngine(Sampler):
             )
 
         with self._on_mesh():
-            return make()
+            state = make()
+        sharding = self._cache_sharding(kv_heads)
+        if sharding is None:
+            return state
+        return dataclasses.replace(
+            state,
+            k=tuple(jax.device_put(x, sharding) for x in state.k),
+            v=tuple(jax.device_put(x, sharding) for x in state.v),
+        )
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        *,
-        n: int = 1,
-        temperature: float = 1.0,
-        max_tokens: int = 16,
-        stop_tokens: Sequence[int] = (),
-        seed: int = 0,
-        prompt_seeds: Sequence[int] | None = None,
-    ) -> list[list[Sample]]:
-        """As :meth:`~marin_rl_core.rollout.inference.SamplingEngine.generate`."""
-        stops = check_request(
-            prompts, n, stop_tokens, prompt_seeds,
-            eos_id=self.eos_id, max_seqs=self.max_seqs, max_stop_tokens=self.max_stop_tokens,
-            max_seq_len=self.max_seq_len,
-        )  # fmt: skip
-        requests = [
-            GenerationRequest(
-                prompt=prompt,
-                n=n,
-                temperature=temperature,
-                max_tokens=max_tokens,
-                stop_tokens=stops,
-                seed=(seed if prompt_seeds is None else int(prompt_seeds[i])) % 2**32,
-                fold=i if prompt_seeds is None else -1,
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        return self.generate_requests(requests)
+    def _cache_sharding(self, kv_heads: int) -> Any:
+        """The caches split over the devices the model's key/value heads are split over
+        (tensor parallelism), or ``None``: one device, or heads that do not divide."""
+        axis = self.axis_mapping.get("kv_head")
+        if self.mesh is None or axis is None:
+            return None
+        if kv_heads % self.mesh.shape[axis]:
+            return None
+        from jax.sharding import NamedSharding, PartitionSpec
 
-    def generate_requests(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        return NamedSharding(self.mesh, PartitionSpec(None, axis, None, None))
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         """Sample every request (each with its own settings) through the slots: continuous
         batching over all of them. ``result[i][k]`` is the ``k``-th sample of ``requests[i]``."""
+        stops = check_requests(
+            requests, eos_id=self.eos_id, max_seqs=self.max_seqs,
+            max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
+        )  # fmt: skip
         results: list[list[Sample | None]] = [[None] * r.n for r in requests]
         waiting = deque(range(len(requests)))
         owner: list[tuple[int, int] | None] = [None] * self.max_seqs
@@ -264,7 +235,7 @@ class KVCacheEngine(Sampler):
             self._state = self._empty_state()
         with self._on_mesh():
             while waiting or any(o is not None for o in owner):
-                self._admit(requests, waiting, owner)
+                self._admit(requests, stops, waiting, owner)
                 occupied = [i for i, o in enumerate(owner) if o is not None]
                 if not occupied:
                     continue
@@ -286,12 +257,13 @@ class KVCacheEngine(Sampler):
                     self.rounds += 1
                     done, length = jax.device_get((done, length))
                     self._done[:rows], self._lengths[:rows] = done, length
-                self._collect(requests, owner, results)
+                self._collect(requests, stops, owner, results)
         return results  # type: ignore[return-value]
 
     def _admit(
         self,
         requests: Sequence[GenerationRequest],
+        stops_of: list[list[int]],
         waiting: deque[int],
         owner: list[tuple[int, int] | None],
     ) -> None:
@@ -334,9 +306,9 @@ class KVCacheEngine(Sampler):
             budget = min(request.max_tokens, self.max_seq_len - len(request.prompt))
             end[j] = len(request.prompt) + max(budget, 1)
             temperature[j] = request.temperature
-            request_stops = list(request.stop_tokens) or [self.eos_id]
-            stops[j] = request_stops[0]
-            stops[j, : len(request_stops)] = request_stops
+            own = stops_of[r]
+            stops[j] = own[0]
+            stops[j, : len(own)] = own
             seed[j], fold[j] = request.seed, request.fold
             self._done[slot] = False
             self._lengths[slot] = len(request.prompt) + 1
@@ -368,6 +340,7 @@ class KVCacheEngine(Sampler):
     def _collect(
         self,
         requests: Sequence[GenerationRequest],
+        stops_of: list[list[int]],
         owner: list[tuple[int, int] | None],
         results: list[list[Sample | None]],
     ) -> None:
@@ -381,7 +354,7 @@ class KVCacheEngine(Sampler):
             begin = len(requests[r].prompt)
             end = int(self._lengths[slot])
             response = np.asarray(tokens[slot, begin:end], np.int32)
-            stop_set = set(int(t) for t in requests[r].stop_tokens) or {self.eos_id}
+            stop_set = set(stops_of[r])
             results[r][k] = Sample(
                 tokens=response,
                 logprobs=np.asarray(logprobs[slot, begin:end], np.float32),
@@ -390,4 +363,4 @@ class KVCacheEngine(Sampler):
             owner[slot] = None
 
 
-__all__ = ["GenerationRequest", "KVCacheEngine"]
+__all__ = ["KVCacheEngine", "free_device_bytes"]
