@@ -143,7 +143,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2, help="of Qwen3-0.6B's 28 layers")
     parser.add_argument("--rows", type=int, nargs="+", default=[32])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128])
-    parser.add_argument("--engines", nargs="+", default=["paged", "dense", "kv"])
+    parser.add_argument(
+        "--engines", nargs="+", default=["paged", "dense", "kv"], help="engine plugin names"
+    )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on an accelerator")
     parser.add_argument("--no-transformers", action="store_true")
@@ -151,7 +153,9 @@ def main() -> None:
 
     import jax
 
-    from marin_rl_core.rollout.samplers import make_sampler
+    from marin_rl_core import EngineSpec, build_registry
+
+    registry = build_registry()
 
     platform = jax.devices()[0].platform
     dtype = args.dtype if args.dtype != "auto" else ("float32" if platform == "cpu" else "bfloat16")
@@ -168,15 +172,23 @@ def main() -> None:
         prompts = prompts_for(rows)
         for tokens in args.tokens:
             for kind in args.engines:
-                engine = make_sampler(
-                    kind,
-                    model,
+                spec = EngineSpec(
+                    model=model,
                     max_seq_len=seq_len,
                     eos_id=QWEN3_0_6B["vocab"] - 1,
                     max_seqs=rows,
-                    max_prefill_tokens=max(2048, rows * 128),
                     compute_dtype=dtype,
+                    platform=platform,
                 )
+                # The paged engine prefills every prompt of a call at once (as marinrl runs it).
+                config = (
+                    registry.get("engine", kind).config_class(
+                        max_prefill_tokens=max(2048, rows * 128)
+                    )
+                    if kind == "paged"
+                    else None
+                )
+                engine = registry.build_engine(kind, spec, config)
                 seconds, generated = time_engine(engine, prompts, tokens, args.repeats, seed=0)
                 results[(kind, rows, tokens)] = generated / seconds
                 print(

@@ -28,7 +28,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, float]:
     config = resolve_config(
         registry,
         selections={"env": args.env},
-        overrides=[f'model.inference_engine="{kind}"', *args.overrides],
+        overrides=[f'engine.name="{kind}"', *args.overrides],
     )
     tokenizer = model_tokenizer(config.model)
     manager = RolloutManager(

@@ -109,7 +109,7 @@ def figures(args: argparse.Namespace) -> None:
         from marin_rl_core.rollout.manager import RolloutManager
 
         sampler_config = resolve_config(
-            registry, overrides=[*job_overrides(args), 'model.inference_engine="paged"']
+            registry, overrides=[*job_overrides(args), 'engine.name="paged"']
         )
         model = initial_model(
             sampler_config, tokenizer, dtype=sampler_config.model.resolved_inference_dtype

@@ -72,7 +72,7 @@ def main() -> None:
     config = resolve_config(
         registry,
         selections={"loss": args.losses[0]} if args.losses else {},
-        overrides=['model.inference_engine="paged"', *args.overrides],
+        overrides=['engine.name="paged"', *args.overrides],
     )
     tokenizer = model_tokenizer(config.model)
     model = initial_model(config, tokenizer)
@@ -89,7 +89,7 @@ def main() -> None:
         loss_config = resolve_config(
             registry,
             selections={"loss": name},
-            overrides=['model.inference_engine="paged"', *args.overrides],
+            overrides=['engine.name="paged"', *args.overrides],
         )
         module = registry.get("loss", name).build(loss_config.loss.config)
         tb = training_batch_from_rollouts(

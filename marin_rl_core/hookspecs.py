@@ -112,9 +112,35 @@ class CurriculumPlugin(PluginRecord):
     protocol_name: ClassVar[str] = "CurriculumPolicy"
 
 
+@attrs.frozen(kw_only=True)
+class EnginePlugin(PluginRecord):
+    """A :class:`~marin_rl_core.protocols.GenerationEngine`.
+    ``build(config, spec) -> GenerationEngine`` (``spec``:
+    :class:`~marin_rl_core.generation.EngineSpec`: the model, sequence length, EOS, mesh and
+    memory budget). Called once in each rollout worker (and by ``marinrl eval``).
+
+    Args:
+        exact_logprobs: the engine's logprobs equal the trainer's for the same tokens (to float
+            rounding), as every loss's importance ratio needs. ``False`` (a remote server with
+            kernels of its own, say): ``marinrl eval`` uses it, ``marinrl run`` refuses it before
+            the job starts.
+    """
+
+    kind: ClassVar[str] = "engine"
+    protocol_name: ClassVar[str] = "GenerationEngine"
+    exact_logprobs: bool = True
+
+
 RECORD_TYPES: dict[str, type[PluginRecord]] = {
     cls.kind: cls
-    for cls in (EnvPlugin, LossPlugin, StoragePlugin, WeightTransferPlugin, CurriculumPlugin)
+    for cls in (
+        EnvPlugin,
+        LossPlugin,
+        StoragePlugin,
+        WeightTransferPlugin,
+        CurriculumPlugin,
+        EnginePlugin,
+    )
 }
 """Every plugin kind, by its name in configs and on the command line."""
 
@@ -164,10 +190,20 @@ def marinrl_register_curricula() -> Iterable[CurriculumPlugin]:
     """
 
 
+@hookspec
+def marinrl_register_engines() -> Iterable[EnginePlugin]:
+    """Yield an :class:`EnginePlugin` for each generation engine (``--engine NAME``,
+    ``[engine] name``): what rollout workers sample the policy with.
+
+    Called once per registry build; all results are collected.
+    """
+
+
 REGISTRATION_HOOKS: dict[str, str] = {
     "env": "marinrl_register_envs",
     "loss": "marinrl_register_losses",
     "storage": "marinrl_register_storages",
     "weight_transfer": "marinrl_register_weight_transfers",
     "curriculum": "marinrl_register_curricula",
+    "engine": "marinrl_register_engines",
 }

@@ -383,8 +383,54 @@ class CurriculumPolicy(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Samples the policy's responses on a rollout worker (``[engine]``, ``--engine NAME``).
+
+    An engine is built once per worker from an :class:`~marin_rl_core.generation.EngineSpec`
+    (the policy model, its sequence length, EOS, the mesh, a memory budget) and kept: new weights
+    arrive through :meth:`update_model`. ``generate`` is called from one thread at a time, with
+    requests from every episode and agent call waiting at that moment; each request carries its
+    own sampling settings and key (:class:`~marin_rl_core.generation.GenerationRequest`).
+
+    What marinrl relies on (``tests/test_inference.py`` holds the built-in engines to it, and
+    :func:`marin_rl_core.testing.check_engine` checks a third-party one):
+
+    * ``result[i][k]`` is the ``k``-th sample of ``requests[i]``; a response ends at one of its
+      stop ids (EOS always) or at its budget, and :attr:`Sample.stopped
+      <marin_rl_core.generation.Sample.stopped>` says which;
+    * the same key, prompt and weights give the same samples, whatever else the call holds;
+    * **logprobs**: each token's logprob under the weights that sampled it, tempered
+      (``log_softmax(logits / T)``; untempered for greedy rows), equal to what the trainer
+      computes for the same tokens up to float rounding: the importance ratios of every loss
+      rest on it. An engine that cannot promise this (a remote server sampling with its own
+      kernels, say) is registered with ``EnginePlugin(exact_logprobs=False)``; marinrl then
+      uses it for evaluation only and refuses to train with it.
+    """
+
+    max_seqs: int
+    """The most rows (samples) one request may ask for."""
+
+    @property
+    def model(self) -> Any:
+        """The weights the engine samples from, in the trainer's parameter structure (the
+        template a weight transfer receives new weights into)."""
+        ...
+
+    def update_model(self, model: Any) -> None:
+        """Sample from ``model`` (new weights of the same architecture) from the next call on."""
+        ...
+
+    def generate(self, requests: Sequence[Any]) -> list[list[Any]]:
+        """Sample every :class:`~marin_rl_core.generation.GenerationRequest`; returns their
+        :class:`~marin_rl_core.generation.Sample` s. A request it cannot serve (too long a
+        prompt, too many samples) raises ``ValueError`` naming the limit."""
+        ...
+
+
 EnvBuild = Callable[[Any], Env | MultiTurnEnv]
 LossBuild = Callable[[Any], RLLossModule]
 StorageBuild = Callable[[Any], RolloutStorage]
 WeightTransferBuild = Callable[[Any], WeightTransfer]
 CurriculumBuild = Callable[[Any, Sequence[LessonConfig]], CurriculumPolicy]
+EngineBuild = Callable[[Any, Any], GenerationEngine]

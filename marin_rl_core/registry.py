@@ -104,6 +104,17 @@ class Registry:
         that exist (and the closest one) when there is none."""
         return self.entry(kind, name, where=where).record
 
+    def build_engine(self, name: str, spec: Any, config: Any = None) -> Any:
+        """The engine plugin ``name`` built with ``config`` (default: its config class's
+        defaults) and ``spec`` (an :class:`~marin_rl_core.generation.EngineSpec`), whose
+        ``build_engine(other)`` builds another registered engine the same way: how the
+        ``auto`` engine builds the one it picks."""
+        import attrs
+
+        record = self.get("engine", name)
+        spec = attrs.evolve(spec, build_engine=lambda other: self.build_engine(other, spec))
+        return record.build(config if config is not None else record.config_class(), spec)
+
     @property
     def spec(self) -> RegistrySpec:
         plugin_set = {

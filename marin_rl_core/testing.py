@@ -15,7 +15,7 @@ and use the ``plugin_registry`` fixture plus the contract checks::
 
 The checks assert what marinrl relies on: the record's config class has defaults that structure
 and unstructure through the run-config converter, ``build`` returns an object satisfying the
-kind's protocol, and for envs, losses and curricula a tiny call works.
+kind's protocol, and for envs, losses, curricula and engines a tiny call works.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ import numpy as np
 import pytest
 
 from marin_rl_core import protocols
+
+# The engine contract and tiny Hugging Face checkpoints, in modules of their own, re-exported.
+from marin_rl_core.engine_contract import check_engine
 from marin_rl_core.hookspecs import (
     CurriculumPlugin,
     EnvPlugin,
@@ -38,8 +41,6 @@ from marin_rl_core.hookspecs import (
     WeightTransferPlugin,
 )
 from marin_rl_core.registry import Registry, build_registry
-
-# Tiny Hugging Face checkpoints, in a module of their own and re-exported here.
 from marin_rl_core.tiny_checkpoints import (
     CHAT_TEMPLATES,
     as_transformers5_layout,
@@ -422,6 +423,7 @@ CHECKS: dict[str, Callable[[Any], None]] = {
     "storage": check_storage,
     "weight_transfer": check_weight_transfer,
     "curriculum": check_curriculum,
+    "engine": check_engine,
 }
 
 
@@ -442,6 +444,7 @@ __all__ = [
     "check_config_class",
     "check_curriculum",
     "check_default_lessons",
+    "check_engine",
     "check_env",
     "check_loss",
     "check_plugin",

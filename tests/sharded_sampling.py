@@ -26,12 +26,13 @@ def main() -> None:
     import jax.numpy as jnp
     import numpy as np
 
+    from marin_rl_core import EngineSpec, build_registry
     from marin_rl_core.config import ModelConfig
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.logprobs import response_logprobs
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
     from marin_rl_core.rollout.inference import sample_prompts
-    from marin_rl_core.rollout.samplers import inference_mesh, make_sampler
+    from marin_rl_core.rollout.samplers import inference_mesh
 
     tok = ArithmeticTokenizer()
     config = ModelConfig(
@@ -42,8 +43,11 @@ def main() -> None:
     kwargs = dict(
         max_seq_len=config.max_seq_len, eos_id=tok.eos_id, max_seqs=64, compute_dtype=dtype
     )
-    sharded = make_sampler(kind, model, mesh=mesh, axis_mapping=mapping, **kwargs)
-    plain = make_sampler(kind, model, **kwargs)
+    registry = build_registry()
+    sharded = registry.build_engine(
+        kind, EngineSpec(model=model, mesh=mesh, axis_mapping=mapping, **kwargs)
+    )
+    plain = registry.build_engine(kind, EngineSpec(model=model, **kwargs))
     prompts = [tok.encode(f"{a}+{b}=", add_bos=True) for a in range(4) for b in range(3)]
     samples = sample_prompts(sharded, prompts, n=4, temperature=1.0, max_tokens=4, seed=5)
     pairs = [(p, s) for p, group in zip(prompts, samples) for s in group]

@@ -21,6 +21,7 @@ LAYERS = {
     "learner": 3,
     "testing": 4,
     "tiny_checkpoints": 3,  # the tiny Hugging Face checkpoints testing re-exports
+    "engine_contract": 3,  # the engine contract check testing re-exports
     "job": 5,
     "cli": 6,
     "__main__": 7,

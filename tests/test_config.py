@@ -334,3 +334,26 @@ def test_an_env_of_code_on_the_tiny_default_model_says_to_pass_a_hugging_face_mo
     )
     assert "needs a Hugging Face checkpoint, --model PATH_OR_NAME" in result.output
     assert not list(tmp_path.iterdir()), "nothing started"
+
+
+def test_the_engine_is_a_plugin_section_and_an_old_inference_engine_setting_still_reads(
+    cli, tmp_path
+):
+    """`--engine kv --set engine.steps_per_round=8` reaches the kv engine's config; an unknown
+    engine names the registered ones; a config saved before engines were plugins (a resumed
+    run's config.toml) still reads, its model.inference_engine taken as [engine] name."""
+    registry = build_registry()
+    assert resolve_config(registry).engine.name == "auto"
+    config = resolve_config(
+        registry, selections={"engine": "kv"}, overrides=["engine.steps_per_round=8"]
+    )
+    assert config.engine.name == "kv" and config.engine.config.steps_per_round == 8
+    result = cli("config", "show", "--engine", "kvv")
+    assert result.exit_code == ExitCode.UNKNOWN_PLUGIN
+    assert "Did you mean 'kv'?" in result.output and "auto, dense, kv, paged" in result.output
+    old = tmp_path / "config.toml"
+    old.write_text('[model]\ninference_engine = "paged"\n')
+    notes: list[str] = []
+    config = resolve_config(registry, files=[old], notes=notes)
+    assert config.engine.name == "paged"
+    assert "model.inference_engine = 'paged' is read as [engine] name = 'paged'" in notes[0]

@@ -678,7 +678,7 @@ def uniform_qwen2(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("engine", ["dense", "paged"])
+@pytest.mark.parametrize("engine", ["dense", "paged", "kv"])
 def test_responses_end_at_the_templates_end_of_turn_when_eos_is_another_token(
     uniform_qwen2, engine
 ):
@@ -687,7 +687,7 @@ def test_responses_end_at_the_templates_end_of_turn_when_eos_is_another_token(
         overrides=[
             f'model.checkpoint="{uniform_qwen2}"',
             'model.inference_dtype="float32"',
-            f'model.inference_engine="{engine}"',
+            f'engine.name="{engine}"',
             "model.max_seq_len=64",
             "sampling.max_tokens=32",
             "eval.sampling.max_tokens=32",

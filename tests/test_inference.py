@@ -1,7 +1,8 @@
-"""The samplers: levanter's paged InferenceEngine (``SamplingEngine``) and the dense sampler
-(``DenseSampler``), both held to the same tests: shapes, seeds, stop tokens, weight swaps, the
-sampling distribution, and logprob agreement with the trainer's computation. One engine of each
-kind (compiled once) is shared by the whole module."""
+"""The generation engines' contract suite: every engine plugin (levanter's paged engine, the
+dense sampler, the kv engine, and any installed one) is held to the same tests: shapes, seeds,
+stop tokens, weight swaps, the sampling distribution, and logprob agreement with the trainer's
+computation. One engine of each kind (compiled once) is shared by the whole module; the kv
+engine's own machinery (slots, rounds, its memory budget) is tested at the end."""
 
 from __future__ import annotations
 
@@ -13,14 +14,23 @@ import numpy as np
 import pytest
 from levanter.layers.attention import AttentionMask
 
-from marin_rl_core import Rollout
+from marin_rl_core import EngineSpec, Rollout, build_registry
 from marin_rl_core.config import ModelConfig
 from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 from marin_rl_core.models.build import build_model
 from marin_rl_core.models.logprobs import next_token_logprobs, response_logprobs
 from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 from marin_rl_core.rollout.inference import sample_prompts
-from marin_rl_core.rollout.samplers import make_sampler
+
+REGISTRY = build_registry()
+ENGINES = [name for name in REGISTRY.names("engine") if name != "auto"]
+"""Every engine plugin but ``auto`` (which builds one of them)."""
+
+
+def make_engine(name, model, **spec):
+    """The engine plugin ``name`` built as a rollout worker builds it."""
+    return REGISTRY.build_engine(name, EngineSpec(model=model, **spec))
+
 
 MAX_SEQ_LEN = 16
 CONFIG = ModelConfig(
@@ -43,10 +53,10 @@ def models(tok):
     return [build_model(CONFIG, tok, key=jax.random.PRNGKey(k)) for k in (0, 1)]
 
 
-@pytest.fixture(scope="module", params=["paged", "dense", "kv"])
+@pytest.fixture(scope="module", params=ENGINES)
 def engine(request, models, tok):
     # Small max_seqs so that the tests also exercise chunking of larger requests.
-    eng = make_sampler(
+    eng = make_engine(
         request.param, models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=32
     )
     yield eng
@@ -297,13 +307,13 @@ def test_update_model_rejects_a_different_architecture(fresh, models):
         fresh.update_model(bigger_vocab)
 
 
-@pytest.mark.parametrize("kind", ["paged", "dense", "kv"])
+@pytest.mark.parametrize("kind", ENGINES)
 def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, tok):
     """Prompts of 16 tokens and more (a chat template makes them common) with n > 1: every
     sample's logprobs match the trainer's. With 16-token KV pages levanter's clones of a prompt
     that fills a page decoded from the wrong cache entries."""
     max_seq_len = 40
-    engine = make_sampler(kind, models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
+    engine = make_engine(kind, models[1], max_seq_len=max_seq_len, eos_id=tok.eos_id, max_seqs=8)
     prompts = [
         [tok.bos_id] + [tok.token_id(str(i % 10)) for i in range(length)]
         for length in (15, 16, 17, 30)

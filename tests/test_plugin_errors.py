@@ -210,3 +210,42 @@ def test_an_unforeseen_error_is_one_line_and_its_traceback_goes_to_a_file(tmp_pa
     log = re.search(r"The traceback is in (\S+);", proc.stderr)
     assert log and log.group(1).startswith(str(tmp_path)), proc.stderr
     assert "def buggy" not in proc.stderr and "buggy" in open(log.group(1)).read()
+
+
+INEXACT_ENGINE = """
+import attrs
+from marin_rl_core import EnginePlugin, hookimpl
+
+
+@attrs.frozen
+class Config:
+    pass
+
+
+def build(config, spec):
+    return spec.build_engine("kv")
+
+
+@hookimpl
+def marinrl_register_engines():
+    yield EnginePlugin(name="approx", summary="a server's logprobs", config_class=Config,
+                       build=build, exact_logprobs=False)
+"""
+
+
+def test_an_engine_without_the_trainers_logprobs_is_refused_before_the_job_starts(
+    cli, tmp_path, monkeypatch, tiny_mock_job
+):
+    """An engine registered with exact_logprobs=False cannot train (every loss's importance
+    ratio rests on the behaviour logprobs): `marinrl run` says so, names the engines that can,
+    and exits with the config error before anything is written."""
+    (tmp_path / "approx_engine.py").write_text(INEXACT_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    result = cli(
+        "--plugin", "approx_engine", "run", *tiny_mock_job, "--engine", "approx",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "approx",
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert "$.engine.name: the approx engine does not report the logprobs" in result.output
+    assert "(auto, dense, kv, paged)" in result.output
+    assert not (tmp_path / "approx").exists()

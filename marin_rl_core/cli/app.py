@@ -93,6 +93,7 @@ LossOpt = Annotated[str | None, _select("loss")]
 StorageOpt = Annotated[str | None, _select("storage")]
 WeightTransferOpt = Annotated[str | None, _select("weight_transfer")]
 CurriculumOpt = Annotated[str | None, _select("curriculum")]
+EngineOpt = Annotated[str | None, _select("engine")]
 
 T = TypeVar("T")
 
@@ -172,6 +173,7 @@ def run(
     storage: StorageOpt = None,
     weight_transfer: WeightTransferOpt = None,
     curriculum: CurriculumOpt = None,
+    engine: EngineOpt = None,
     set_: SetOpt = None,
     ray_address: Annotated[
         str | None,
@@ -213,6 +215,7 @@ def run(
                 "storage": storage,
                 "weight_transfer": weight_transfer,
                 "curriculum": curriculum,
+                "engine": engine,
             },
             extra_overrides=overrides,
         )
@@ -294,6 +297,7 @@ def config_show(
     storage: StorageOpt = None,
     weight_transfer: WeightTransferOpt = None,
     curriculum: CurriculumOpt = None,
+    engine: EngineOpt = None,
     set_: SetOpt = None,
     fmt: Annotated[str, typer.Option("--format", help="toml or yaml.")] = "toml",
     plugin: PluginOpt = None,
@@ -315,6 +319,7 @@ def config_show(
                 "storage": storage,
                 "weight_transfer": weight_transfer,
                 "curriculum": curriculum,
+                "engine": engine,
             },
             extra_overrides=_model_override(model),
         )

@@ -190,6 +190,7 @@ def resolve_config(
         curriculum["lessons"] = [drop_none(converter.unstructure(x)) for x in defaults]
     for text, path, value in parsed:
         _apply_override(merged, path, value, text)
+    _migrate_inference_engine(merged, notes)
     model_section = merged.get("model")
     derive_seq_len = not isinstance(model_section, dict) or "max_seq_len" not in model_section
     if isinstance(model_section, dict) and model_section.get("max_seq_len") == "auto":
@@ -206,6 +207,25 @@ def resolve_config(
         if notes is not None:
             notes.append(note)
     return config
+
+
+def _migrate_inference_engine(merged: dict[str, Any], notes: list[str] | None) -> None:
+    """``model.inference_engine`` (before engines were plugins; a saved run's ``config.toml``
+    may hold it) is read as ``[engine] name``, unless that is set too."""
+    model = merged.get("model")
+    if not isinstance(model, dict) or "inference_engine" not in model:
+        return
+    old = model.pop("inference_engine")
+    engine = merged.setdefault("engine", {})
+    if isinstance(engine, dict) and "name" not in engine and isinstance(old, str):
+        engine["name"] = old
+    note = (
+        f"model.inference_engine = {old!r} is read as [engine] name = {engine.get('name')!r}: "
+        "generation engines are plugins now (--engine NAME; docs/configuration.md)"
+    )
+    logger.warning("%s", note)
+    if notes is not None:
+        notes.append(note)
 
 
 def _indexes_lessons(path: Sequence[str | int]) -> bool:

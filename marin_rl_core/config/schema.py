@@ -49,17 +49,12 @@ class ModelConfig:
         inference_dtype: the rollout workers' inference engine dtype: ``"auto"`` (``bfloat16``
             for a Hugging Face checkpoint, ``float32`` for the default model), ``"float32"`` or
             ``"bfloat16"``. Behaviour log-probabilities come from this engine.
-        inference_engine: how rollout workers sample: ``"paged"`` (levanter's paged-attention
-            ``InferenceEngine``: a KV cache, for long generations), ``"dense"`` (one jitted
-            forward pass over the whole padded batch per new token: for short answers from short
-            sequences, where it is several times faster), ``"kv"`` (a KV cache in slots, decode
-            rounds compiled as one loop on the device, continuous batching:
-            :mod:`marin_rl_core.rollout.kv_engine`) or ``"auto"``: dense when the longest
-            ``max_tokens`` of any lesson times ``max_seq_len`` is at most 4096, else paged. Both
-            report logprobs equal to the trainer's.
         inference_tensor_parallel: how many of a rollout worker's devices its inference engine
             splits the model's attention heads and MLP over (tensor parallelism); 1 keeps the
             model on one device. Must divide the worker's device count (``resources.rollout``).
+        inference_memory_fraction: the share of a rollout worker's free device memory (after
+            the weights) its generation engine (``[engine]``) may use for caches: the ``kv``
+            engine sizes its KV cache slots from it.
         gradient_checkpointing: recompute each layer's activations in the backward pass instead
             of keeping them (levanter's scan checkpointing): ``"on"``, ``"off"``, or ``"auto"``:
             on for a Hugging Face checkpoint (real models, whose activations dominate the
@@ -80,10 +75,10 @@ class ModelConfig:
     inference_dtype: str = attrs.field(
         default="auto", validator=one_of("auto", "float32", "bfloat16")
     )
-    inference_engine: str = attrs.field(
-        default="auto", validator=one_of("auto", "paged", "dense", "kv")
-    )
     inference_tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    inference_memory_fraction: float = attrs.field(
+        default=0.5, validator=[attrs.validators.gt(0), attrs.validators.le(1)]
+    )
     gradient_checkpointing: str = attrs.field(default="auto", validator=one_of("auto", "on", "off"))
 
     @property
@@ -498,9 +493,25 @@ class CurriculumChoice(PluginChoice):
     lessons: tuple[LessonConfig, ...] = attrs.field(default=(), converter=tuple)
 
 
+@attrs.frozen(kw_only=True)
+class EngineChoice(PluginChoice):
+    """The generation engine rollout workers sample with; ``auto`` picks the fastest measured
+    for the workers' platform and model."""
+
+    kind: ClassVar[str] = "engine"
+    default_name: ClassVar[str] = "auto"
+
+
 CHOICE_TYPES: dict[str, type[PluginChoice]] = {
     c.kind: c
-    for c in (EnvChoice, LossChoice, StorageChoice, WeightTransferChoice, CurriculumChoice)
+    for c in (
+        EnvChoice,
+        LossChoice,
+        StorageChoice,
+        WeightTransferChoice,
+        CurriculumChoice,
+        EngineChoice,
+    )
 }
 
 
@@ -545,6 +556,7 @@ class RLJobConfig:
     storage: StorageChoice = StorageChoice(name="memory")
     weight_transfer: WeightTransferChoice = WeightTransferChoice(name="arrow_flight")
     curriculum: CurriculumChoice = CurriculumChoice(name="default")
+    engine: EngineChoice = EngineChoice(name="auto")
 
     def sampling_for(self, lesson: LessonConfig) -> SamplingParams:
         """The lesson's own sampling params, else the run's defaults."""
@@ -558,6 +570,7 @@ class RLJobConfig:
 __all__ = [
     "CHOICE_TYPES",
     "CurriculumChoice",
+    "EngineChoice",
     "EnvChoice",
     "EvalConfig",
     "LessonConfig",

@@ -159,6 +159,18 @@ class RLJob:
             )
         if not self.config.curriculum.lessons:
             errors.append("$.curriculum.lessons: a job needs at least one lesson")
+        engine = self.registry.get("engine", self.config.engine.name)
+        if not engine.exact_logprobs:  # type: ignore[attr-defined]
+            exact = [
+                e.name
+                for e in self.registry.entries("engine")
+                if e.record.exact_logprobs  # type: ignore[attr-defined]
+            ]
+            errors.append(
+                f"$.engine.name: the {engine.name} engine does not report the logprobs the "
+                "trainer computes, and every loss's importance ratio rests on them: train with "
+                f"one that does ({', '.join(exact)}); it can still evaluate (marinrl eval)"
+            )
         self._check_resume()
         errors += check_model(self.config)
         if errors:

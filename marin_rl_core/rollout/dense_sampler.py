@@ -101,7 +101,8 @@ class DenseSampler(Sampler):
     into one ``[rows, positions]`` array and each new token costs one forward pass over it (no
     KV cache). For short generations from small models this is several times faster than the
     paged :class:`SamplingEngine`, whose host-side work per sequence dominates there; for long
-    generations it is the slower one (``model.inference_engine``, :func:`choose_engine`).
+    generations it is the slower one (the ``dense`` engine plugin; ``auto`` picks the ``kv``
+    engine, faster on both).
 
     Same interface and guarantees as :class:`SamplingEngine`: ``result[i][k]`` is the ``k``-th
     sample of prompt ``i``; the seed (or ``prompt_seeds``) fixes the samples; logprobs are of the
@@ -114,6 +115,8 @@ class DenseSampler(Sampler):
             axis_mapping: as for :class:`SamplingEngine`; ``max_seqs`` rows are sampled per
             forward pass (more are split into chunks).
     """
+
+    name = "dense"
 
     def __init__(
         self,

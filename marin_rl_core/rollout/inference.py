@@ -183,6 +183,8 @@ class SamplingEngine(Sampler):
             and is what accelerators run fastest.
     """
 
+    name = "paged"
+
     def __init__(
         self,
         model: LmHeadModel,
@@ -224,6 +226,10 @@ class SamplingEngine(Sampler):
         )
         with self._on_mesh():
             self._engine = self._new_engine()
+
+    @property
+    def max_seqs(self) -> int:
+        return int(self._config.max_seqs)
 
     def _new_engine(self) -> InferenceEngine:
         return InferenceEngine.from_model_with_config(

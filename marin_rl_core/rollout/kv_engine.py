@@ -115,6 +115,8 @@ class KVCacheEngine(Sampler):
         max_prefill_tokens: prompt tokens (padded) prefilled in one call.
     """
 
+    name = "kv"
+
     def __init__(
         self,
         model: LmHeadModel,

@@ -81,7 +81,7 @@ class RolloutManager:
         curriculum: CurriculumPolicy | None = None,
     ):
         from marin_rl_core.models.tokenizer import response_stop_ids
-        from marin_rl_core.rollout.samplers import choose_engine, make_sampler
+        from marin_rl_core.rollout.samplers import engine_spec
 
         self.config = config
         self.registry = registry
@@ -110,35 +110,21 @@ class RolloutManager:
             for lesson in self.lessons.values()
             for sampling in (config.sampling_for(lesson), config.eval_sampling_for(lesson))
         }
-        mesh, axis_mapping = None, None
-        if config.model.inference_tensor_parallel > 1:
-            from marin_rl_core.rollout.samplers import inference_mesh
-
-            mesh, axis_mapping = inference_mesh(
-                config.model.inference_tensor_parallel, config.trainer.mesh.tensor_parallel_axes
-            )
-        longest = max(
-            sampling.max_tokens
-            for lesson in self.lessons.values()
-            for sampling in (config.sampling_for(lesson), config.eval_sampling_for(lesson))
-        )
-        self.engine_kind = choose_engine(
-            config.model.inference_engine,
-            max_tokens=longest,
-            max_seq_len=config.model.max_seq_len,
-        )
-        logger.info("sampling with the %s engine", self.engine_kind)
-        self._engine = make_sampler(
-            self.engine_kind,
+        spec = engine_spec(
             model,
-            mesh=mesh,
-            axis_mapping=axis_mapping,
             max_seq_len=config.model.max_seq_len,
             eos_id=tokenizer.eos_id,
             max_seqs=min(biggest, 512),
             max_stop_tokens=max(stops),
             compute_dtype=config.model.resolved_inference_dtype,
+            tensor_parallel=config.model.inference_tensor_parallel,
+            tensor_parallel_axes=config.trainer.mesh.tensor_parallel_axes,
+            memory_fraction=config.model.inference_memory_fraction,
         )
+        self._engine = registry.build_engine(config.engine.name, spec, config.engine.config)
+        self.engine_name: str = getattr(self._engine, "name", config.engine.name)
+        """The engine sampling (the one ``auto`` picked, for ``auto``)."""
+        logger.info("sampling with the %s engine", self.engine_name)
         checkpoint = config.model.checkpoint
         self.model_name = str(checkpoint).rstrip("/").rsplit("/", 1)[-1] if checkpoint else "policy"
         """The name the agent endpoint gives the policy (the checkpoint's, else ``policy``)."""
@@ -154,6 +140,11 @@ class RolloutManager:
     @property
     def model(self) -> Any:
         return self._engine.model
+
+    @property
+    def engine(self) -> Any:
+        """The :class:`~marin_rl_core.protocols.GenerationEngine` sampling."""
+        return self._engine
 
     def update_model(self, model: Any) -> None:
         """Sample from ``model`` (new weights, same architecture) from now on."""

@@ -225,9 +225,9 @@ class RolloutWorker:
         hold up the worker's set-up. The held-out eval is not warmed up: worker 0 runs it after
         writing the batch of its step, while the trainer compiles and takes its first step.
 
-        Only with the dense sampler, whose batches are cheap by construction and whose shapes
-        follow the batch: levanter's paged engine compiles its fixed shapes on first use."""
-        if self.manager.engine_kind != "dense":
+        Not with levanter's paged engine, which compiles its fixed shapes on first use: the
+        others' compiled shapes follow the batch."""
+        if self.manager.engine_name == "paged":
             return 0.0
         start = time.monotonic()
         manager, config = self.manager, self.config
