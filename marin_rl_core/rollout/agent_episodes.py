@@ -91,11 +91,10 @@ class AgentEpisodes:
     @classmethod
     def start(cls, runner: Any, limits: EpisodesConfig) -> AgentEpisodes:
         """The endpoint of an :class:`~marin_rl_core.rollout.episodes.EpisodeRunner`, listening
-        on ``limits.agent_host`` / ``agent_port``: it samples with the runner's engine on the
-        runner's generation thread."""
+        on ``limits.agent_host`` / ``agent_port``: it samples through the runner's generation
+        queue, beside the runner's own episodes."""
         server = AgentServer(
-            generate=runner.engine.generate,
-            executor=runner._generate_thread,  # noqa: SLF001 - the one thread that samples
+            submit=runner.generation.submit,
             tokenizer=runner.tokenizer,
             max_seq_len=runner.max_seq_len,
             host=limits.agent_host,

@@ -101,9 +101,9 @@ class AgentServer:
     """The endpoint (see the module docstring).
 
     Args:
-        generate: the engine's ``generate`` of :class:`~marin_rl_core.generation.GenerationRequest`
-            s (called on ``executor``, one call at a time).
-        executor: where generation runs (the rollout worker's generation thread).
+        submit: queues :class:`~marin_rl_core.generation.GenerationRequest` s and returns a
+            future of their samples: the rollout worker's
+            :class:`~marin_rl_core.rollout.generation_queue.GenerationQueue`.
         tokenizer: renders chat messages, encodes text prompts, decodes samples.
         max_seq_len: the most tokens of one call (prompt + completion).
         model_name: the name ``/v1/models`` lists and responses carry.
@@ -116,8 +116,7 @@ class AgentServer:
     def __init__(
         self,
         *,
-        generate: Callable[..., Any],
-        executor: Any,
+        submit: Callable[..., Any],
         tokenizer: Any,
         max_seq_len: int,
         model_name: str = "policy",
@@ -126,7 +125,7 @@ class AgentServer:
         batch_window_s: float = 0.005,
         cohorts: int = 2,
     ):
-        self._generate, self._executor = generate, executor
+        self._submit = submit
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len
         self.model_name = model_name
@@ -539,7 +538,7 @@ class AgentServer:
         ]
         start = time.perf_counter()
         try:
-            out = await asyncio.wrap_future(self._executor.submit(self._generate, requests))
+            out = await asyncio.wrap_future(self._submit(requests))
         except Exception as exc:  # noqa: BLE001 - each waiting call answers with it
             for job in jobs:
                 if not job.future.done():

@@ -67,6 +67,7 @@ from marin_rl_core.rollout.episode_state import (
     observe,
     take_action,
 )
+from marin_rl_core.rollout.generation_queue import GenerationQueue
 from marin_rl_core.types import Action, Problem, SamplingParams, Step, as_score
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ class EpisodeRunner:
         self._env_pool: DaemonThreadPool | None = None  # sized by the first batch's limits
         self._old_pools: list[DaemonThreadPool] = []  # their stuck threads still count
         self._batch_episodes = 1
-        self._generate_thread = DaemonThreadExecutor("marinrl-generate")
+        self.generation = GenerationQueue(engine)
+        """The worker's one generation queue: episodes and agent calls submit here."""
         self._stuck_scores = 0
         self._said_stuck = False
         self._task: asyncio.Task[Any] | None = None  # the batch run() is running
@@ -121,7 +123,7 @@ class EpisodeRunner:
         self._env_thread.shutdown()
         if self._env_pool is not None:
             self._env_pool.shutdown()
-        self._generate_thread.shutdown()
+        self.generation.close()
         if self._agents is not None:
             self._agents.close()
             self._agents.server.stop()
@@ -342,9 +344,7 @@ class EpisodeRunner:
                 stop_tokens=stop_tokens,
                 **kwargs,
             )
-            out = await asyncio.wrap_future(
-                self._generate_thread.submit(self.engine.generate, requests)
-            )
+            out = await asyncio.wrap_future(self.generation.submit(requests))
             timing["generate_seconds"] += time.perf_counter() - start
             timing["generate_calls"] += 1
             return out

@@ -1,0 +1,66 @@
+"""The rollout worker's one generation queue: episodes and agent calls that wait while the
+engine works share its next call, each keeping its own settings and samples; a request the
+engine refuses fails its own source only."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from marin_rl_core import EngineSpec, GenerationRequest, build_registry
+from marin_rl_core.config import ModelConfig
+from marin_rl_core.models.build import build_model
+from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+from marin_rl_core.rollout.generation_queue import GenerationQueue
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tok = ArithmeticTokenizer()
+    shape = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4)
+    model = build_model(shape, tok, key=jax.random.PRNGKey(0))
+    spec = EngineSpec(model=model, max_seq_len=16, eos_id=tok.eos_id, max_seqs=32)
+    return build_registry().build_engine("kv", spec), tok
+
+
+def test_sources_waiting_share_the_next_call_and_keep_their_own_samples(engine):
+    engine, tok = engine
+    prompts = [tok.encode(f"{a}+{a}=", add_bos=True) for a in range(6)]
+    first = [GenerationRequest(prompt=prompts[0], n=4, max_tokens=6, seed=1, fold=0)]
+    episodes = [
+        GenerationRequest(prompt=p, n=2, temperature=1.0, max_tokens=5, seed=2, fold=i)
+        for i, p in enumerate(prompts[1:4])
+    ]
+    agent = [GenerationRequest(prompt=p, temperature=0.0, max_tokens=4) for p in prompts[4:]]
+    alone = [engine.generate(r) for r in (first, episodes, agent)]
+    queue = GenerationQueue(engine)
+    try:
+        futures = [queue.submit(first)]  # the engine is busy with it while the others wait
+        futures += [queue.submit(episodes), queue.submit(agent)]
+        shared = [f.result(timeout=120) for f in futures]
+    finally:
+        queue.close()
+    assert queue.submissions == 3 and queue.calls <= 2
+    for got, want in zip(shared, alone):
+        assert [[s.tokens.tolist() for s in g] for g in got] == [
+            [s.tokens.tolist() for s in g] for g in want
+        ]
+
+
+def test_a_request_the_engine_refuses_fails_its_own_source_only(engine):
+    engine, tok = engine
+    good = [GenerationRequest(prompt=tok.encode("1+2=", add_bos=True), max_tokens=3)]
+    too_long = [GenerationRequest(prompt=[tok.bos_id] * 16, max_tokens=3)]
+    queue = GenerationQueue(engine)
+    try:
+        busy = queue.submit(good)
+        futures = [queue.submit(too_long), queue.submit(good)]
+        assert busy.result(timeout=120)[0][0].tokens.size >= 1
+        with pytest.raises(ValueError, match="prompts need 1..15 tokens"):
+            futures[0].result(timeout=120)
+        assert futures[1].result(timeout=120)[0][0].tokens.size >= 1
+    finally:
+        queue.close()
+    closed = queue.submit(good)
+    with pytest.raises(RuntimeError, match="closed"):
+        closed.result(timeout=1)
