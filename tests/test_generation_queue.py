@@ -4,6 +4,8 @@ engine refuses fails its own source only."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import pytest
 
@@ -64,3 +66,36 @@ def test_a_request_the_engine_refuses_fails_its_own_source_only(engine):
     closed = queue.submit(good)
     with pytest.raises(RuntimeError, match="closed"):
         closed.result(timeout=1)
+
+
+def test_a_request_joins_rows_already_decoding_and_returns_before_them():
+    """With the kv engine the queue feeds rows in continuously: a short request submitted while
+    long rows decode is prefilled at the next round and handed back while they go on (it does
+    not wait for the call in progress), and its samples are what it samples alone."""
+    tok = ArithmeticTokenizer()
+    shape = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4)
+    model = build_model(shape, tok, key=jax.random.PRNGKey(1))
+    spec = EngineSpec(model=model, max_seq_len=64, eos_id=tok.eos_id, max_seqs=16)
+    config = build_registry().get("engine", "kv").config_class(steps_per_round=2)
+    engine = build_registry().build_engine("kv", spec, config)
+    prompt = tok.encode("3+4=", add_bos=True)
+    long = [GenerationRequest(prompt=prompt, n=8, temperature=1.0, max_tokens=48, seed=3)]
+    short = [GenerationRequest(prompt=prompt, n=2, temperature=1.0, max_tokens=2, seed=4)]
+    alone = engine.generate(short)
+    queue = GenerationQueue(engine)
+    order: list[str] = []
+    try:
+        rounds = engine.rounds
+        first = queue.submit(long)
+        first.add_done_callback(lambda _: order.append("long"))
+        deadline = time.monotonic() + 120
+        while engine.rounds == rounds and time.monotonic() < deadline:  # the long rows decode
+            time.sleep(0.005)
+        second = queue.submit(short)
+        second.add_done_callback(lambda _: order.append("short"))
+        got, longest = second.result(timeout=120), first.result(timeout=120)
+    finally:
+        queue.close()
+    assert max(s.tokens.size for s in longest[0]) > 8  # the long rows ran many rounds
+    assert order == ["short", "long"]
+    assert [s.tokens.tolist() for s in got[0]] == [s.tokens.tolist() for s in alone[0]]

@@ -5,6 +5,11 @@ Whatever is waiting when the engine comes free goes into one ``generate`` call: 
 different sources, temperatures, budgets and stop ids share it (each keeps its own settings and
 key, so a request's samples do not depend on what it was batched with). A source that submits
 while the engine works waits for the next call, which takes everything that gathered meanwhile.
+
+An engine with a ``serve(poll)`` method (the ``kv`` engine,
+:meth:`~marin_rl_core.rollout.kv_engine.KVCacheEngine.serve`) is fed continuously instead: a
+submission joins the rows already decoding at the engine's next round, and gets its samples as
+soon as its own rows finish.
 """
 
 from __future__ import annotations
@@ -72,11 +77,28 @@ class GenerationQueue:
                     self._lock.wait()
                 if self._closed:
                     return
-                batch, self._pending = self._pending, []
-            batch = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
-            if not batch:
+            serve = getattr(self.engine, "serve", None)
+            if serve is not None:
+                start = time.perf_counter()
+                try:
+                    serve(self._poll)  # until nothing waits and nothing decodes
+                except BaseException:  # noqa: BLE001 - its submissions were told; go on
+                    logger.exception("the generation engine failed")
+                finally:
+                    self.seconds += time.perf_counter() - start
+                    self.calls += 1
                 continue
-            self._generate(batch)
+            batch = self._poll()
+            if batch:
+                self._generate(batch)
+
+    def _poll(self) -> list[tuple[list[GenerationRequest], concurrent.futures.Future[Any]]]:
+        """The submissions waiting now (taken off the queue), cancelled ones left out."""
+        with self._lock:
+            batch, self._pending = self._pending, []
+        batch = [(r, f) for r, f in batch if f.set_running_or_notify_cancel()]
+        self.submissions += len(batch)
+        return batch
 
     def _generate(
         self, batch: list[tuple[list[GenerationRequest], concurrent.futures.Future[Any]]]
@@ -99,7 +121,6 @@ class GenerationQueue:
         finally:
             self.seconds += time.perf_counter() - start
             self.calls += 1
-        self.submissions += len(batch)
         at = 0
         for own, future in batch:
             future.set_result(out[at : at + len(own)])

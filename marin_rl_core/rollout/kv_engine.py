@@ -33,11 +33,12 @@ q/k norms as their attention modules have them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -226,41 +227,92 @@ class KVCacheEngine(Sampler):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         """Sample every request (each with its own settings) through the slots: continuous
         batching over all of them. ``result[i][k]`` is the ``k``-th sample of ``requests[i]``."""
-        stops = check_requests(
-            requests, eos_id=self.eos_id, max_seqs=self.max_seqs,
-            max_stop_tokens=self.max_stop_tokens, max_seq_len=self.max_seq_len,
-        )  # fmt: skip
-        results: list[list[Sample | None]] = [[None] * r.n for r in requests]
-        waiting = deque(range(len(requests)))
+        future: concurrent.futures.Future[list[list[Sample]]] = concurrent.futures.Future()
+        future.set_running_or_notify_cancel()
+        given = [(requests, future)]
+        self._serve(lambda: [given.pop()] if given else [], streaming=False)
+        return future.result()
+
+    def serve(self, poll: Callable[[], Sequence[tuple[Sequence[GenerationRequest], Any]]]) -> None:
+        """Serve submissions until none waits and no slot is busy: ``poll()`` (called before
+        every round) returns the ``(requests, future)`` pairs submitted since, and each future
+        gets its samples as soon as its own last row finishes, while rows of later submissions
+        still decode. A submission the engine refuses gets the ``ValueError`` alone. The
+        :class:`~marin_rl_core.rollout.generation_queue.GenerationQueue` drives an engine that
+        has this method this way: a request that arrives while others decode joins them at the
+        next round instead of waiting for the whole call."""
+        self._serve(poll, streaming=True)
+
+    def _serve(self, poll: Callable[[], Any], *, streaming: bool) -> None:
+        requests: list[GenerationRequest] = []
+        stops_of: list[list[int]] = []
+        place: list[tuple[_Submission, int]] = []  # each request's submission and index in it
+        live_subs: list[_Submission] = []
+        waiting: deque[int] = deque()
         owner: list[tuple[int, int] | None] = [None] * self.max_seqs
         if self._state is None:
             self._state = self._empty_state()
-        with self._on_mesh():
-            while waiting or any(o is not None for o in owner):
-                self._admit(requests, stops, waiting, owner)
-                occupied = [i for i, o in enumerate(owner) if o is not None]
-                if not occupied:
-                    continue
-                rows = bucket(occupied[-1] + 1, least=8, most=self.max_seqs)
-                lengths = self._lengths[:rows]
-                live = [i for i in occupied if not self._done[i]]
-                if live:
-                    left = max(int(self._ends[i] - lengths[i]) for i in live)
-                    steps = min(self.steps_per_round, left) if waiting else left
-                    reach = max(int(lengths[i]) for i in live) + steps
-                    window = bucket(reach, least=MIN_WINDOW, most=self.max_seq_len)
-                    self._state, done, length = decode_round(
-                        self._model,
-                        self._state,
-                        jnp.asarray(steps, jnp.int32),
-                        rows=rows,
-                        window=window,
-                    )
-                    self.rounds += 1
-                    done, length = jax.device_get((done, length))
-                    self._done[:rows], self._lengths[:rows] = done, length
-                self._collect(requests, stops, owner, results)
-        return results  # type: ignore[return-value]
+        try:
+            with self._on_mesh():
+                while True:
+                    for given, future in poll():
+                        given = list(given)
+                        try:
+                            stops = check_requests(
+                                given, eos_id=self.eos_id, max_seqs=self.max_seqs,
+                                max_stop_tokens=self.max_stop_tokens,
+                                max_seq_len=self.max_seq_len,
+                            )  # fmt: skip
+                        except ValueError as exc:
+                            future.set_exception(exc)
+                            continue
+                        sub = _Submission(given, future)
+                        if not given:
+                            future.set_result([])
+                            continue
+                        live_subs.append(sub)
+                        for i, request in enumerate(given):
+                            waiting.append(len(requests))
+                            requests.append(request)
+                            stops_of.append(stops[i])
+                            place.append((sub, i))
+                    if not waiting and all(o is None for o in owner):
+                        return
+                    self._admit(requests, stops_of, waiting, owner)
+                    self._round(owner, more_coming=streaming or bool(waiting))
+                    self._collect(requests, stops_of, place, owner)
+        except BaseException as exc:
+            # The device state may be half-donated: start from a fresh one next time, and let
+            # every unfinished submission know.
+            self._state = None
+            self._done[:] = True
+            for sub in live_subs:
+                if not sub.future.done():
+                    sub.future.set_exception(exc)
+            if not streaming:
+                raise
+
+    def _round(self, owner: list[tuple[int, int] | None], *, more_coming: bool) -> None:
+        """One decode round of the occupied slots: up to ``steps_per_round`` steps while more
+        may come (prompts wait, or a queue feeds the engine), else until every row is done."""
+        occupied = [i for i, o in enumerate(owner) if o is not None]
+        if not occupied:
+            return
+        rows = bucket(occupied[-1] + 1, least=8, most=self.max_seqs)
+        lengths = self._lengths[:rows]
+        live = [i for i in occupied if not self._done[i]]
+        if not live:
+            return
+        left = max(int(self._ends[i] - lengths[i]) for i in live)
+        steps = min(self.steps_per_round, left) if more_coming else left
+        reach = max(int(lengths[i]) for i in live) + steps
+        window = bucket(reach, least=MIN_WINDOW, most=self.max_seq_len)
+        self._state, done, length = decode_round(
+            self._model, self._state, jnp.asarray(steps, jnp.int32), rows=rows, window=window
+        )
+        self.rounds += 1
+        done, length = jax.device_get((done, length))
+        self._done[:rows], self._lengths[:rows] = done, length
 
     def _admit(
         self,
@@ -343,9 +395,11 @@ class KVCacheEngine(Sampler):
         self,
         requests: Sequence[GenerationRequest],
         stops_of: list[list[int]],
+        place: list[tuple[_Submission, int]],
         owner: list[tuple[int, int] | None],
-        results: list[list[Sample | None]],
     ) -> None:
+        """Free the slots of finished rows; hand each submission whose rows are all done its
+        samples."""
         finished = [i for i, o in enumerate(owner) if o is not None and self._done[i]]
         if not finished:
             return
@@ -356,13 +410,26 @@ class KVCacheEngine(Sampler):
             begin = len(requests[r].prompt)
             end = int(self._lengths[slot])
             response = np.asarray(tokens[slot, begin:end], np.int32)
-            stop_set = set(stops_of[r])
-            results[r][k] = Sample(
+            sub, i = place[r]
+            sub.results[i][k] = Sample(
                 tokens=response,
                 logprobs=np.asarray(logprobs[slot, begin:end], np.float32),
-                stopped=response.size > 0 and int(response[-1]) in stop_set,
+                stopped=response.size > 0 and int(response[-1]) in stops_of[r],
             )
+            sub.left -= 1
+            if sub.left == 0:
+                sub.future.set_result(sub.results)
             owner[slot] = None
+
+
+class _Submission:
+    """The requests of one ``submit`` (or ``generate`` call), their samples as they finish, and
+    the future waiting for all of them."""
+
+    def __init__(self, requests: list[GenerationRequest], future: Any):
+        self.future = future
+        self.results: list[list[Any]] = [[None] * r.n for r in requests]
+        self.left = sum(r.n for r in requests)
 
 
 __all__ = ["KVCacheEngine", "free_device_bytes"]
