@@ -104,7 +104,9 @@ class UnknownPluginError(MarinRLError):
     ):
         known, disabled = sorted(known), sorted(disabled)
         self.kind, self.name, self.known = kind, name, known
-        close = difflib.get_close_matches(name, known, n=1)
+        # Names are lowercase: `--loss RLOO` means rloo as surely as a typo does.
+        by_lower = {k.lower(): k for k in known}
+        close = [by_lower[c] for c in difflib.get_close_matches(name.lower(), list(by_lower), n=1)]
         lines = [f"unknown {kind} {name!r}" + (f" (at {where})" if where else "") + "."]
         if name in disabled:
             lines.append(

@@ -357,3 +357,13 @@ def test_the_engine_is_a_plugin_section_and_an_old_inference_engine_setting_stil
     config = resolve_config(registry, files=[old], notes=notes)
     assert config.engine.name == "paged"
     assert "model.inference_engine = 'paged' is read as [engine] name = 'paged'" in notes[0]
+
+
+def test_a_set_without_equals_says_how_to_write_it(cli):
+    """`--set trainer.num_train_steps 5` (a space for '='): a usage error that shows the form,
+    not click's "unexpected extra argument (5)"."""
+    result = cli("config", "show", "--set", "trainer.num_train_steps", "5")
+    assert result.exit_code == ExitCode.USAGE
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "--set takes KEY=VALUE as one argument, got 'trainer.num_train_steps'" in text
+    assert "unexpected extra argument" not in text

@@ -34,6 +34,10 @@ def test_unknown_env_lists_registered_names_and_suggests_the_closest(cli):
     assert "unknown env 'maht'" in result.output
     assert "Did you mean 'math'?" in result.output
     assert "Registered env plugins:" in result.output and "mock" in result.output
+    # Plugin names are lowercase: a name in capitals is suggested too (docs/cli.md promises it).
+    result = cli("run", "--loss", "RLOO")
+    assert result.exit_code == ExitCode.UNKNOWN_PLUGIN
+    assert "unknown loss 'RLOO'" in result.output and "Did you mean 'rloo'?" in result.output
 
 
 def test_unknown_name_in_a_config_file_names_its_path(cli, tmp_path):

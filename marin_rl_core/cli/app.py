@@ -61,12 +61,27 @@ ConfigOpt = Annotated[
         rich_help_panel=CONFIG_PANEL,
     ),
 ]
+
+
+def _check_set(values: list[str] | None) -> list[str] | None:
+    """``--set`` takes ``KEY=VALUE`` as one argument: ``--set trainer.num_train_steps 5`` would
+    otherwise end in click's "unexpected extra argument (5)"."""
+    for value in values or ():
+        if "=" not in value:
+            raise typer.BadParameter(
+                f"--set takes KEY=VALUE as one argument, got {value!r}: write "
+                f"--set {value}=VALUE (no spaces around '=')"
+            )
+    return values
+
+
 SetOpt = Annotated[
     list[str] | None,
     typer.Option(
         "--set",
         help="Override one value: --set loss.kl_coef=0.05 (TOML value syntax). Repeatable.",
         rich_help_panel=CONFIG_PANEL,
+        callback=_check_set,
     ),
 ]
 
