@@ -46,6 +46,12 @@ def _strict_scalar_hooks(converter: cattrs.Converter) -> None:
             raise TypeError(f"expected true or false, got {type(value).__name__} {value!r}")
         return value
 
+    def switch_hook(value: Any, _: type) -> bool | str:  # true, false or "auto"
+        if not isinstance(value, bool | str):
+            raise TypeError(f'expected true, false or "auto", got {type(value).__name__} {value!r}')
+        return value
+
+    converter.register_structure_hook(bool | str, switch_hook)
     converter.register_structure_hook(int, int_hook)
     converter.register_structure_hook(float, float_hook)
     converter.register_structure_hook(str, str_hook)

@@ -211,8 +211,10 @@ class TrainerService(_SetUpError):
         curriculum: str,
         hub: str,
         group: tuple[str, int] | None = None,
+        *,
+        transfer: Any = None,
     ):
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub, group))
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub, group, transfer))
 
     def _build(
         self,
@@ -221,6 +223,7 @@ class TrainerService(_SetUpError):
         curriculum_name: str,
         hub_name: str,
         group: tuple[str, int] | None,
+        transfer: Any,
     ) -> None:
         _worker_logging(wc.run_dir, "trainer")
         import ray
@@ -239,9 +242,10 @@ class TrainerService(_SetUpError):
 
         config, registry = wc.resolve()
         compile_cache.enable(config.compilation_cache)
-        transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
-            config.weight_transfer.config
-        )
+        if transfer is None:  # (a colocated process passes its in-process one)
+            transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
+                config.weight_transfer.config
+            )
         self.server = transfer.server()
         proxy = CurriculumProxy(curriculum)
         self.trainer = Trainer(
@@ -310,11 +314,15 @@ class RolloutService(_SetUpError):
     constructor of a restarted actor with the same arguments, and actor handles among them
     would have to stay pinned for that (Ray says so on the console)."""
 
-    def __init__(self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str):
+    def __init__(
+        self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str, *, transfer: Any = None
+    ):
         self._connected = False
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub))
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub, transfer))
 
-    def _build(self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str) -> None:
+    def _build(
+        self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str, transfer: Any
+    ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
 
@@ -335,9 +343,9 @@ class RolloutService(_SetUpError):
 
         config, registry = wc.resolve()
         compile_cache.enable(config.compilation_cache)
-        self._transfer = registry.get("weight_transfer", config.weight_transfer.name).build(
-            config.weight_transfer.config
-        )
+        self._transfer = transfer or registry.get(
+            "weight_transfer", config.weight_transfer.name
+        ).build(config.weight_transfer.config)
         self.worker = RolloutWorker(
             config,
             registry,

@@ -62,6 +62,8 @@ def check_resources(config: RLJobConfig, nodes: list[dict[str, float]]) -> None:
             config.num_rollout_workers,
         ),
     ]
+    if config.resources.colocate is True:  # one process: the trainer's resources
+        roles = roles[:1]
     problems, total = [], {}
     for role, path, asked, count in roles:
         for name, amount in asked.items():

@@ -388,13 +388,16 @@ class RLJob:
             # them (~0.5 s sooner than a new process on a 2-core machine). The hub and the
             # curriculum follow; the workers find them by name.
             # (A trainer over several hosts: one actor per host, placed together.)
+            colocated = config.resources.colocate is True
             trainer, followers, placed = start_trainer(
-                config, trainer_wc, storage, names["curriculum"], names["hub"]
-            )
+                config, trainer_wc, storage, names["curriculum"], names["hub"],
+                rollout_wcs[0] if colocated else None,
+            )  # fmt: skip
             actors += [trainer, *followers]
             # The rollout workers set up (model, sampler, envs) while the trainer does; they
-            # connect to its weight server when they are handed their run.
-            rollouts = [
+            # connect to its weight server when they are handed their run. (A colocated job's
+            # one worker is in the trainer's process.)
+            rollouts: list[Any] = [
                 ray.remote(RolloutService)
                 .options(
                     **config.resources.rollout.ray_options(),
@@ -403,9 +406,14 @@ class RLJob:
                     max_task_retries=0,
                 )
                 .remote(wc, storage, names["curriculum"], names["hub"])
-                for wc in rollout_wcs
+                for wc in ([] if colocated else rollout_wcs)
             ]
             actors += rollouts
+            if colocated:
+                from marin_rl_core.job.colocated import RolloutView
+
+                rollouts = [RolloutView(trainer)]
+                logger.info("colocated: the trainer and rollout worker 0 share one process")
             hub = (
                 ray.remote(MetricsHub)
                 .options(num_cpus=0, name=names["hub"])

@@ -144,10 +144,16 @@ class TrainerFollower(_SetUpError):
 
 
 def start_trainer(
-    config: RLJobConfig, wc: WorkerConfig, storage: Any, curriculum: str, hub: str
+    config: RLJobConfig,
+    wc: WorkerConfig,
+    storage: Any,
+    curriculum: str,
+    hub: str,
+    rollout_wc: WorkerConfig | None = None,
 ) -> tuple[Any, list[Any], Any]:
     """The trainer's actors: ``(process 0, [follower, ...], placement group or None)``; one
-    plain actor for one host."""
+    plain actor for one host, which also runs rollout worker 0 (``rollout_wc``) in a colocated
+    job (:mod:`marin_rl_core.job.colocated`)."""
     import attrs
     import ray
 
@@ -155,6 +161,12 @@ def start_trainer(
 
     options = {**config.resources.trainer.ray_options(), "max_concurrency": 4}
     hosts = config.resources.trainer_hosts
+    if rollout_wc is not None:
+        from marin_rl_core.job.colocated import ColocatedService
+
+        options["max_concurrency"] = 8  # the trainer's and the worker's runs, and their calls
+        colocated = ray.remote(ColocatedService).options(**options)
+        return colocated.remote(wc, rollout_wc, storage, curriculum, hub), [], None
     if hosts == 1:
         trainer = ray.remote(TrainerService).options(**options).remote(wc, storage, curriculum, hub)
         return trainer, [], None
