@@ -71,11 +71,18 @@ class EnvPlugin(PluginRecord):
         default_lessons: ``default_lessons(config) -> [LessonConfig, ...]``, the curriculum a
             run uses when it names this env and defines no lessons of its own. ``None`` means a
             single lesson with the env's config.
+        preflight: ``preflight(config) -> [problem, ...]``: cheap checks of one lesson's env
+            config that ``marinrl run`` makes before anything is written or started (a data
+            file that exists, an optional package installed, a dataset name known); each
+            problem is a sentence that names the fix. Nothing heavy here: no model, no
+            download, no env built. The job refuses to start on any (exit 3), instead of the
+            workers failing after start.
     """
 
     kind: ClassVar[str] = "env"
     protocol_name: ClassVar[str] = "Env"
     default_lessons: Callable[[Any], Sequence[LessonConfig]] | None = None
+    preflight: Callable[[Any], Sequence[str]] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -89,11 +89,13 @@ class MetricsHub:
 
     def resume_at(self, step: int) -> int:
         """A run resumed from the checkpoint of ``step``: drop the rows of later steps (the dead
-        run logged them, and they are about to be trained again), so that every step has one
-        set of rows. Returns the number of rows dropped."""
+        run logged them, and they are about to be trained again), and the eval rows of ``step``
+        itself (the resumed run evaluates its starting weights again: a finished run extended
+        would otherwise log its final eval twice), so that every step has one set of rows.
+        Returns the number of rows dropped."""
         self._file.close()
         try:
-            return drop_rows_after(self.path, step)
+            return drop_rows_after(self.path, step, eval_too=True)
         finally:
             self._file = self.path.open("a", buffering=1)
 
@@ -136,9 +138,10 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
     raise ValueError(f"unknown tracker {name!r}")
 
 
-def drop_rows_after(path: str | Path, step: int) -> int:
+def drop_rows_after(path: str | Path, step: int, *, eval_too: bool = False) -> int:
     """Rewrite the JSON-lines file ``path`` without its rows of steps after ``step`` (and its
-    damaged lines); returns how many lines went. A missing file has none."""
+    damaged lines; with ``eval_too``, its ``"eval"`` rows of ``step`` as well); returns how many
+    lines went. A missing file has none."""
     path = Path(path)
     if not path.exists():
         return 0
@@ -146,7 +149,9 @@ def drop_rows_after(path: str | Path, step: int) -> int:
     kept = []
     for line in rows:
         try:
-            if int(json.loads(line)["step"]) > step:
+            row = json.loads(line)
+            at = int(row["step"])
+            if at > step or (eval_too and at == step and row.get("source") == "eval"):
                 continue
         except (ValueError, KeyError, TypeError):
             continue  # a damaged or partly written line

@@ -663,6 +663,21 @@ def default_lessons(config: MathEnvConfig) -> Sequence[LessonConfig]:
     ]
 
 
+def preflight(config: MathEnvConfig) -> list[str]:
+    """A file task's files exist (checked before the job starts; see ``EnvPlugin.preflight``)."""
+    problems = []
+    if config.task == "file":
+        for key in ("data_path", "eval_data_path"):
+            path = getattr(config, key)
+            if path and "://" not in path and not Path(path).expanduser().is_file():
+                problems.append(
+                    f"env.{key} {path!r} does not exist (looked in "
+                    f"{Path(path).expanduser().absolute()}); give the path of a .jsonl or "
+                    ".parquet file of problems"
+                )
+    return problems
+
+
 @hookimpl
 def marinrl_register_envs():
     yield EnvPlugin(
@@ -671,6 +686,7 @@ def marinrl_register_envs():
         config_class=MathEnvConfig,
         build=MathEnv,
         default_lessons=default_lessons,
+        preflight=preflight,
     )
 
 

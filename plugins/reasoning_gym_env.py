@@ -86,6 +86,17 @@ def extract_answer(response: str, how: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def preflight(config: ReasoningGymEnvConfig) -> list[str]:
+    """The optional package is installed (checked before the job starts)."""
+    import importlib.util
+
+    try:
+        installed = importlib.util.find_spec("reasoning_gym") is not None
+    except (ImportError, ValueError):  # a module that failed to import, or was blocked
+        installed = False
+    return [] if installed else [INSTALL_HINT]
+
+
 class ReasoningGymEnv:
     """Implements :class:`marin_rl_core.Env` (single-turn); see the module docstring."""
 
@@ -146,4 +157,5 @@ def marinrl_register_envs():
         summary="Any reasoning-gym dataset by name, graded by its own scorer (HF models).",
         config_class=ReasoningGymEnvConfig,
         build=ReasoningGymEnv,
+        preflight=preflight,
     )

@@ -817,7 +817,8 @@ def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job):
     assert f"cannot write {blocker}" in result.output and "Traceback" not in result.output
 
 
-def test_resume_needs_a_run_directory(cli, tmp_path):
+def test_resume_needs_a_run_directory(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     result = cli("run", "--resume", str(tmp_path))
     assert result.exit_code == ExitCode.CONFIG
     assert "not a run directory" in result.output
@@ -830,10 +831,56 @@ def test_resume_needs_a_run_directory(cli, tmp_path):
         assert result.exit_code == ExitCode.CONFIG, (command, result.output)
         assert f"{missing}: no such directory" in result.output, (command, result.output)
         assert "Traceback" not in result.output
+    # `eval` says so before loading anything, and leaves no log file where it was typed.
+    assert not (tmp_path / "logs").exists()
     (tmp_path / "config.toml").write_text("")
     result = cli("run", "--resume", str(tmp_path), "--config", str(tmp_path / "config.toml"))
     assert result.exit_code == ExitCode.CONFIG
     assert "leave out --config" in result.output
+
+
+def _run_without(module: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``marinrl ARGS`` in a process where ``module`` cannot be imported (not installed)."""
+    code = (
+        f"import sys; sys.modules[{module!r}] = None\n"
+        f"sys.argv = ['marinrl', *{list(args)!r}]\n"
+        "from marin_rl_core.cli.app import main\nmain()\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+
+
+def test_what_an_env_can_check_cheaply_is_checked_before_the_job_starts(cli, tmp_path):
+    """A data file that does not exist, an optional package not installed: exit 3 at once,
+    nothing written (was: found by the workers after start, exit 1 after ~2 minutes, a run
+    directory with a step-0 checkpoint and a resume command for a run that never trained)."""
+    result = cli(
+        "run", "--env", "math", "--set", "env.task=file", "--set", "env.data_path=nope.jsonl",
+        "--set", f'run_dir="{tmp_path}"',
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    assert "env.data_path 'nope.jsonl' does not exist" in result.output
+    assert "--resume" not in result.output and not list(tmp_path.iterdir())
+    done = _run_without(
+        "reasoning_gym", tmp_path, "run", "--env", "reasoning_gym", "--set", f'run_dir="{tmp_path}"'
+    )
+    assert done.returncode == ExitCode.CONFIG, done.stderr
+    assert "pip install 'marin-rl[reasoning]'" in done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_run_directory_on_s3_without_s3fs_says_what_to_install(tmp_path):
+    """`run_dir=s3://...` where s3fs is not installed: exit 11 before anything starts, naming
+    the extra to install (was exit 1, "unexpected ImportError ... a marinrl bug")."""
+    done = _run_without(
+        "s3fs", tmp_path, "run", "--storage", "gcs", "--env", "mock",
+        "--set", 'run_dir="s3://bucket/runs"',
+    )  # fmt: skip
+    assert done.returncode == ExitCode.RUN_DIR, done.stderr
+    assert "cannot use the run directory s3://bucket/runs" in done.stderr
+    assert "pip install 'marin-rl[s3]'" in done.stderr and "marinrl bug" not in done.stderr
+    assert not list(tmp_path.iterdir())
 
 
 LOOPBACK_PROBE = """

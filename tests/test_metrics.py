@@ -87,3 +87,19 @@ def test_trackers_get_a_step_that_never_goes_back(tmp_path):
     assert scalars["rollout/reward"] == [(5, 0.25)]
     assert scalars["eval/a/reward"] == [(5, 0.75)]
     assert [step for step, _ in scalars["reward"]] == [5, 6]
+
+
+def test_a_resumed_run_keeps_one_set_of_rows_per_step_its_start_eval_included(tmp_path):
+    """Resuming from the checkpoint of step 4 drops the rows the dead run logged after it, and
+    the eval rows of step 4 itself: the resumed run evaluates its starting weights again (a
+    finished run extended with a higher num_train_steps logged its final eval twice)."""
+    hub = MetricsHub(str(tmp_path), trackers=("jsonl",), run_id="r")
+    for step in range(1, 6):
+        hub.log({"loss": 1.0}, step=step, source="train")
+    hub.log({"eval/a/reward": 0.5}, step=4, source="eval")
+    hub.log({"eval/a/reward": 0.6}, step=5, source="eval")
+    assert hub.resume_at(4) == 3  # train 5, eval 5, eval 4
+    hub.log({"eval/a/reward": 0.55}, step=4, source="eval")  # the resumed run's own
+    hub.close()
+    rows = [(r["step"], r["source"]) for r in read_metrics(tmp_path)]
+    assert rows == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval")]

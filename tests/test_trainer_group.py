@@ -146,6 +146,7 @@ def test_a_job_whose_trainer_spans_two_hosts_stops_on_a_dead_host_and_resumes(
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == ExitCode.WORKER_LOST, stderr[-3000:]
     assert "trainer host 1 of 2 died" in stderr and "Traceback" not in stderr
+    assert "2 of them share one machine" in stderr  # one node here: said, as a user would hear
     assert f"marinrl run --resume {run_dir}" in stderr
     kept = json.loads((latest_checkpoint(run_dir) / "state.json").read_text())["step"]
     assert kept >= 2

@@ -456,6 +456,14 @@ def eval_command(
     """Score a saved checkpoint on every lesson of its run (no Ray, no weight transfer)."""
 
     def go() -> None:
+        from marin_rl_core.learner.checkpoint import run_config_file
+        from marin_rl_core.rundir import run_path
+
+        where = run_path(checkpoint)
+        if not any((d / "config.toml").is_file() for d in (where, where.parent.parent)):
+            # Neither a run nor one of its checkpoints: say so before loading anything (and
+            # before a log file is written anywhere).
+            run_config_file(where)
         from marin_rl_core.job.evaluation import evaluate_checkpoint
 
         registry = _registry(plugin, disable_plugin)

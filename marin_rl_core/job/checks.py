@@ -13,6 +13,7 @@ from marin_rl_core.errors import (
     ClusterError,
     RunDirError,
 )
+from marin_rl_core.rundir import is_remote
 
 _UNSET: Any = object()
 
@@ -186,6 +187,46 @@ def run_dir_error(exc: OSError, run_dir: Path, *, resumable: bool) -> RunDirErro
     fix = fixes.get(exc.errno or 0, "check the run directory")
     resume = f", then resume with `marinrl run --resume {run_dir}`" if resumable else ""
     return RunDirError(f"cannot write {what}: {exc.strerror or exc}; {fix}{resume}")
+
+
+def check_envs(config: RLJobConfig, registry: Any) -> list[str]:
+    """What each lesson's env plugin's ``preflight`` finds wrong with its env config (a data file
+    that does not exist, a package not installed), prefixed with the lesson."""
+    from marin_rl_core.config.converter import lesson_env_config
+
+    problems = []
+    for i, lesson in enumerate(config.curriculum.lessons):
+        name, env_config = lesson_env_config(config, lesson, registry)
+        preflight = getattr(registry.get("env", name), "preflight", None)
+        for problem in preflight(env_config) if preflight is not None else ():
+            problems.append(f"$.curriculum.lessons[{i}] ({lesson.id!r}, env {name}): {problem}")
+    return problems
+
+
+FILESYSTEM_EXTRAS = {"s3": "pip install 'marin-rl[s3]'", "s3a": "pip install 'marin-rl[s3]'"}
+"""How to install the filesystem of a bucket URL, by protocol (gs:// comes with levanter)."""
+
+
+def check_run_dir_filesystem(run_dir: str) -> None:
+    """Refuse a run directory on a bucket whose fsspec filesystem is not installed
+    (``s3://`` without ``s3fs``), before anything is written, with the install command.
+
+    Raises:
+        RunDirError: naming the URL and what to install.
+    """
+    if not is_remote(run_dir):
+        return
+    import fsspec
+
+    protocol = fsspec.core.split_protocol(str(run_dir))[0] or "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except (ImportError, ValueError) as exc:
+        install = FILESYSTEM_EXTRAS.get(protocol, f"install the fsspec filesystem of {protocol}://")
+        raise RunDirError(
+            f"cannot use the run directory {run_dir}: {first_line(exc)}; {install}, or choose a "
+            "local run_dir"
+        ) from None
 
 
 def bucket_error(exc: BaseException, run_dir: Any) -> RunDirError:

@@ -54,8 +54,10 @@ from marin_rl_core.job.actors import (
 from marin_rl_core.job.checks import (
     RUN_DIR_ERRNOS,
     bucket_error,
+    check_envs,
     check_model,
     check_resources,
+    check_run_dir_filesystem,
     first_line,
     probe_ray_address,
     resume_conflicts,
@@ -118,6 +120,7 @@ class RLJob:
     def __init__(self, config: RLJobConfig, registry: Registry):
         self.config = config
         self.registry = registry
+        check_run_dir_filesystem(config.run_dir)  # s3:// without s3fs: said before anything
         self.run_id = config.run_id or time.strftime("rl-%Y%m%d-%H%M%S")
         # Absolute, so the saved config and the printed resume command work from anywhere. A
         # run on a bucket (gs://...) appends its logs and metrics in a local copy, uploaded.
@@ -173,6 +176,7 @@ class RLJob:
             )
         self._check_resume()
         errors += check_model(self.config)
+        errors += check_envs(self.config, self.registry)
         if errors:
             lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
             raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
@@ -444,7 +448,7 @@ class RLJob:
             dropped = ray.get(hub.resume_at.remote(start_step))
             if start_step or dropped:
                 logger.info(
-                    "resuming at step %d (%d metric rows of later steps dropped)",
+                    "resuming at step %d (%d metric rows dropped: of later steps, and its eval, done again)",
                     start_step,
                     dropped,
                 )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from marin_rl_core.config.schema import RLJobConfig
@@ -178,6 +179,15 @@ def start_trainer(
             "it must be a file system they all share (or a bucket: run_dir=gs://...), or the "
             "checkpoints will be incomplete", len(nodes), wc.run_dir,
         )  # fmt: skip
+    if len(nodes) < hosts:
+        # Allowed (tests simulate hosts this way), but rarely what a user means: say so.
+        shared = (
+            f"the trainer's {hosts} hosts (resources.trainer_hosts) run on {len(nodes)} "
+            f"node(s): {hosts - len(nodes) + 1} of them share one machine and its devices; on "
+            "one machine, one host uses all of its devices (resources.trainer_hosts = 1)"
+        )
+        logger.warning("%s", shared)
+        print(f"warning: {shared}", file=sys.stderr)
     coordinator = coordinator_address(group)
     logger.info("the trainer's %d hosts join at %s", hosts, coordinator)
     leader = (
