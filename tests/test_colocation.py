@@ -1,6 +1,7 @@
-"""A colocated job (``resources.colocate``): the trainer and the sampler in one process, the
-sampler reading the trainer's weights in place; ``auto`` decided from the machine's accelerators;
-a run that trains on-policy, stops on Ctrl-C and resumes."""
+"""One accelerator is enough (issue 49): a colocated job (``resources.colocate``: the trainer
+and the sampler in one process, the sampler reading the trainer's weights in place; ``auto``
+decided from the machine's accelerators; on-policy, stops on Ctrl-C and resumes), and defaults
+that fit a pretrained chat model (``--model``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 
 from marin_rl_core import ExitCode, build_registry
 from marin_rl_core.config import resolve_config
+from marin_rl_core.config.checkpoint_defaults import checkpoint_defaults
 from marin_rl_core.config.colocation import resolve_colocation
 from marin_rl_core.errors import ConfigError, WeightMismatchError
 from marin_rl_core.job.colocated import LocalTransfer
@@ -44,6 +46,12 @@ def test_auto_colocates_on_a_machine_with_one_accelerator_and_says_so(registry):
     assert config.replay_buffer.max_rollout_step_delay == 0  # on-policy by default
     assert any("this machine has one GPU" in n for n in notes)
     assert any("max_rollout_step_delay = 0" in n for n in notes)
+    # Ray shows an actor that asks for no GPU none: the one process asks for the machine's.
+    assert config.resources.trainer.num_gpus == 1.0
+    assert any("asks Ray for this machine's 1 GPU(s)" in n for n in notes)
+    given = {"resources": {"trainer": {"num_gpus": 0.5}}}
+    config, _ = _decide(registry, ("GPU", 1), "resources.trainer.num_gpus=0.5", given=given)
+    assert config.resources.colocate is True and config.resources.trainer.num_gpus == 0.5
 
 
 @pytest.mark.parametrize(
@@ -159,8 +167,59 @@ def test_a_colocated_job_trains_on_policy_stops_on_ctrl_c_and_resumes(tmp_path, 
     assert [r["step"] for r in train] == list(range(1, stopped_at + 4))
     # On-policy: every trained rollout was sampled with the weights being trained.
     assert all(r["mean_weight_lag"] == 0.0 for r in train)
-    assert all(r["replay/dropped_stale_step"] == 0.0 for r in train)
     # Nothing moved between processes: the weights were handed over in place.
     rollout = [r for r in rows if r["source"] == "rollout" and "rollout/weights_bytes" in r]
     assert rollout and all(r["rollout/weights_bytes"] == 0.0 for r in rollout)
     assert any(r["source"] == "eval" and r["step"] == stopped_at + 3 for r in rows)
+
+
+# --- a pretrained model's defaults ---------------------------------------------------------------
+
+
+def _on_checkpoint(registry, *overrides):
+    config = resolve_config(registry, selections={"env": "math"}, overrides=list(overrides))
+    return attrs.evolve(config, model=attrs.evolve(config.model, checkpoint="some/model"))
+
+
+def test_a_pretrained_model_gets_a_chat_models_defaults_and_the_run_says_which(registry):
+    """`--model` with nothing else set: an answer budget a chat model can answer in, a learning
+    rate that does not wreck it, a batch for this machine (the tiny model's 2 tokens and 256
+    rollouts a step gave a new user no finished step in 5 minutes)."""
+    notes: list[str] = []
+    config = checkpoint_defaults(_on_checkpoint(registry), {}, notes, ("", 0))
+    assert config.sampling.max_tokens == config.eval.sampling.max_tokens == 128
+    assert config.trainer.batch_size == 32 and config.sampling.n_prompts == 4
+    assert config.trainer.learning_rate == 1e-6 and config.trainer.weight_decay == 0.0
+    (note,) = notes
+    assert "sampling.max_tokens = 128" in note and "trainer.batch_size = 32" in note
+    assert "set any of them to choose another" in note
+    on_gpu = checkpoint_defaults(_on_checkpoint(registry), {}, [], ("GPU", 1))
+    assert on_gpu.trainer.batch_size == 128 and on_gpu.sampling.n_prompts == 16
+    # A max_seq_len the user chose bounds the answer budget (half of it, for the prompt).
+    short = _on_checkpoint(registry, "model.max_seq_len=24")
+    short = checkpoint_defaults(short, {"model": {"max_seq_len": 24}}, [], ("", 0))
+    assert short.sampling.max_tokens == short.eval.sampling.max_tokens == 12
+
+
+def test_what_the_user_set_is_kept_on_a_pretrained_model(registry):
+    given = {
+        "trainer": {"learning_rate": 5e-6},
+        "sampling": {"max_tokens": 24, "n_prompts": 2},
+        "eval": {"sampling": {"max_tokens": 24}},
+    }
+    config = _on_checkpoint(
+        registry,
+        "trainer.learning_rate=5e-6",
+        "sampling.max_tokens=24",
+        "sampling.n_prompts=2",
+        "eval.sampling.max_tokens=24",
+    )
+    notes: list[str] = []
+    config = checkpoint_defaults(config, given, notes, ("", 0))
+    assert config.trainer.learning_rate == 5e-6
+    assert config.sampling.max_tokens == config.eval.sampling.max_tokens == 24
+    assert config.trainer.batch_size == 16  # one batch of the user's 2 prompts x 8 samples
+    assert "learning_rate" not in notes[0] and "sampling.max_tokens" not in notes[0]
+    # The tiny default model keeps the defaults the default task was tuned with.
+    tiny = resolve_config(registry)
+    assert checkpoint_defaults(tiny, {}, [], ("", 0)) is tiny

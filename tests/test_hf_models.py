@@ -41,11 +41,17 @@ FEW_SMALL_STEPS = [
     "--set", "eval.n_examples=8",
     "--set", "eval.frequency=100",
     "--set", "trainer.learning_rate=0.01",
+    # The tiny random checkpoints rarely answer right: weight decay is what moves them in 3
+    # steps (the checks below see trained weights), at the tiny model's sampling temperature.
+    "--set", "trainer.weight_decay=0.5",
+    "--set", "sampling.temperature=1.5",
 ]  # fmt: skip
 # One lesson, prompts through the chat template (about 12-16 tokens) plus a 2-token answer.
 SMALL_JOB = [
     "--env", "math",
     "--set", "model.max_seq_len=24",
+    "--set", "sampling.max_tokens=2",
+    "--set", "eval.sampling.max_tokens=3",
     "--set", 'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]',
     *FEW_SMALL_STEPS,
 ]  # fmt: skip

@@ -16,6 +16,7 @@ from levanter.layers.attention import AttentionMask
 
 from marin_rl_core import EngineSpec, Rollout, build_registry
 from marin_rl_core.config import ModelConfig
+from marin_rl_core.errors import ConfigError
 from marin_rl_core.learner.training_batch import training_batch_from_rollouts
 from marin_rl_core.models.build import build_model
 from marin_rl_core.models.logprobs import next_token_logprobs, response_logprobs
@@ -397,5 +398,5 @@ def test_kv_engine_sizes_its_slots_from_the_memory_budget(models, tok):
     assert 10 < engine.max_seqs < 1000
     with pytest.raises(ValueError, match=f"n must be in 1..{engine.max_seqs}"):
         sample_prompts(engine, prompts_of(tok, 1), n=engine.max_seqs + 1)
-    with pytest.raises(ValueError, match="raise the engine's memory_fraction"):
+    with pytest.raises(ConfigError, match="raise model.inference_memory_fraction"):
         KVCacheEngine(models[0], memory_fraction=layers / free / 2, **kwargs)

@@ -12,6 +12,7 @@ from the same initial weights on the same batches.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -312,3 +313,37 @@ def test_the_guides_four_device_command_trains_on_a_sharded_mesh(tmp_path):
     assert "'data_parallel': 1, 'fsdp': 2, 'tensor_parallel': 2" in log
     assert "over 4 device(s)" in log
     assert (tmp_path / "mesh" / "checkpoints").is_dir()
+
+
+def test_a_colocated_job_trains_and_samples_over_all_four_devices_of_its_process(tmp_path):
+    """resources.colocate with several devices: one process; the trainer's mesh spans all four
+    (FSDP 2 x tensor-parallel 2) and the sampler splits the model over two of the same devices;
+    each publish is placed into the sampler's shardings in the process."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    settings = [
+        "resources.colocate=true",
+        "trainer.batch_size=64",
+        "trainer.mesh.tensor_parallel=2",
+        "model.inference_tensor_parallel=2",
+        "trainer.num_train_steps=3",
+        "eval.n_examples=8",
+        "eval.frequency=100",
+        f'run_dir="{tmp_path}"',
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", "run", "--env", "math", "--run-id", "both"]
+        + [arg for setting in settings for arg in ("--set", setting)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = (tmp_path / "both" / "logs" / "trainer.log").read_text()
+    assert "'data_parallel': 1, 'fsdp': 2, 'tensor_parallel': 2" in log
+    assert "over 4 device(s)" in log
+    assert "now sampling with weights of step 3" in log
+    rows = [json.loads(line) for line in (tmp_path / "both" / "metrics.jsonl").open()]
+    assert [r["step"] for r in rows if r["source"] == "train"] == [1, 2, 3]
+    assert all(r["mean_weight_lag"] == 0.0 for r in rows if r["source"] == "train")

@@ -74,7 +74,10 @@ def _verifiers_manager(checkpoint, taskset, *extra):
         "verifiers",
         overrides=[
             f'model.checkpoint="{checkpoint}"', "model.max_seq_len=256",
-            'model.inference_dtype="float32"', f'env.taskset="{taskset}"', *extra,
+            'model.inference_dtype="float32"', f'env.taskset="{taskset}"',
+            # Short replies (a random tiny model's 128-token ones would run a 3-turn game out
+            # of its 256 positions): the settings these tests were written with.
+            "sampling.max_tokens=2", "sampling.temperature=1.5", *extra,
         ],
     )  # fmt: skip
 

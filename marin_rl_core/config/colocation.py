@@ -6,7 +6,9 @@ accelerator, one rollout worker and one trainer host; apart otherwise. The resol
 ``true`` or ``false``, so a saved ``config.toml`` (and every worker reading it) keeps the choice.
 A colocated job that sets no ``replay_buffer.max_rollout_step_delay`` is on-policy (0): the
 sampler generates each step's batch with the weights the trainer has just published, and the
-two take turns on the devices.
+two take turns on the devices. A colocated local job on a machine with accelerators whose
+``resources.trainer`` names none asks Ray for all of them (Ray shows an actor that asks for no
+GPU none).
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ def local_accelerators() -> tuple[str, int]:
     if chips:
         return "TPU chip", len(chips)
     return "", 0
+
+
+def _asks_for_devices(given: Mapping[str, Any]) -> bool:
+    """Whether the user set the trainer's GPUs or custom resources (a TPU count)."""
+    resources = given.get("resources")
+    trainer = resources.get("trainer") if isinstance(resources, Mapping) else None
+    return isinstance(trainer, Mapping) and ("num_gpus" in trainer or "custom" in trainer)
 
 
 def resolve_colocation(
@@ -82,7 +91,22 @@ def resolve_colocation(
                 f"process, but {' and '.join(wrong)}: set them to 1, or resources.colocate=false "
                 "to run the trainer and rollout workers apart"
             )
-    config = attrs.evolve(config, resources=attrs.evolve(resources, colocate=colocate))
+    resources = attrs.evolve(resources, colocate=colocate)
+    kind, count = local_accelerators() if accelerators is None else accelerators
+    if colocate and count and not config.ray_address and not _asks_for_devices(given):
+        # Ray shows an actor that asks for no GPU none of them: the process asks for them all.
+        if kind == "GPU":
+            trainer = attrs.evolve(resources.trainer, num_gpus=float(count))
+        else:
+            trainer = attrs.evolve(
+                resources.trainer, custom={**resources.trainer.custom, "TPU": float(count)}
+            )
+        resources = attrs.evolve(resources, trainer=trainer)
+        said.append(
+            f"resources.trainer asks Ray for this machine's {count} {kind}(s): the colocated "
+            "process trains and samples on them"
+        )
+    config = attrs.evolve(config, resources=resources)
     replay = given.get("replay_buffer")
     if colocate and not (isinstance(replay, Mapping) and "max_rollout_step_delay" in replay):
         config = attrs.evolve(

@@ -15,7 +15,8 @@ from typing import Any
 import attrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
-from marin_rl_core.config.colocation import resolve_colocation
+from marin_rl_core.config.checkpoint_defaults import checkpoint_defaults
+from marin_rl_core.config.colocation import local_accelerators, resolve_colocation
 from marin_rl_core.config.converter import drop_none, format_structure_error, make_converter
 from marin_rl_core.config.schema import CHOICE_TYPES, RLJobConfig
 from marin_rl_core.config.validation import validate_config
@@ -198,7 +199,9 @@ def resolve_config(
         del model_section["max_seq_len"]
         derive_seq_len = True
     config = _structure(merged, registry, converter)
-    config = resolve_colocation(config, merged, notes)
+    accelerators = local_accelerators()
+    config = resolve_colocation(config, merged, notes, accelerators)
+    config = checkpoint_defaults(config, merged, notes, accelerators)
     validate_config(config, registry, converter)
     if derive_seq_len and config.model.checkpoint:
         from marin_rl_core.config.sequence_length import derive_max_seq_len

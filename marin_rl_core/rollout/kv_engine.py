@@ -158,12 +158,16 @@ class KVCacheEngine(Sampler):
         budget = int(memory_fraction * free) - layer_bytes
         fits = max(budget, 0) // per_slot
         if fits < 1:
-            raise ValueError(
+            from marin_rl_core.errors import ConfigError
+
+            # A job's set-up error, before any step (a colocated trainer's state is in `free`).
+            raise ConfigError(
                 f"the kv engine needs {per_slot / 2**20:.1f} MiB per sequence of {max_seq_len} "
                 f"tokens (its KV cache and logits) and {layer_bytes / 2**20:.0f} MiB for a copy "
                 f"of the decoder layers, but its budget is {memory_fraction * free / 2**20:.0f} "
-                f"MiB ({memory_fraction} of the device's {free / 2**20:.0f} MiB free): raise the "
-                "engine's memory_fraction or lower model.max_seq_len"
+                f"MiB ({memory_fraction} of the device's {free / 2**20:.0f} MiB free): raise "
+                "model.inference_memory_fraction or lower model.max_seq_len (a colocated job: "
+                "or make the trainer's state smaller, docs/colocation.md#sizing-memory)"
             )
         self.max_seqs = int(min(max_seqs, fits))
         self.cache_bytes = self.max_seqs * per_slot
