@@ -711,6 +711,21 @@ def marinrl_register_envs():
 """
 
 
+def _run_with_plugin(
+    tmp_path: Path, module: str, *args: str, timeout: float
+) -> subprocess.CompletedProcess:
+    """``marinrl run --plugin MODULE ARGS`` as a user runs it, ``MODULE`` written in
+    ``tmp_path`` (on the child's ``PYTHONPATH``)."""
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "marin_rl_core", "run", "--plugin", module, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+
+
 @pytest.mark.parametrize("fault", ["raise", pytest.param("hang", marks=pytest.mark.slow)])
 def test_an_env_whose_every_step_fails_stops_the_job_at_once_saying_why(
     tmp_path, tiny_mock_job, fault
@@ -722,14 +737,10 @@ def test_an_env_whose_every_step_fails_stops_the_job_at_once_saying_why(
     (tmp_path / "brokenenv.py").write_text(BROKEN_ENV)
     job = [arg if arg != "mock" else "broken" for arg in tiny_mock_job]
     run_dir = tmp_path / "broken"
-    result = subprocess.run(
-        [sys.executable, "-m", "marin_rl_core", "run", "--plugin", "brokenenv", *job,
-         "--set", f'env.fault="{fault}"', "--set", "episodes.step_timeout_s=2",
-         "--set", "faults.stall_timeout_s=600", "--set", f'run_dir="{tmp_path}"',
-         "--run-id", "broken"],
-        capture_output=True, text=True, timeout=400,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path),
-                                                           os.environ.get("PYTHONPATH", "")])},
+    result = _run_with_plugin(
+        tmp_path, "brokenenv", *job, "--set", f'env.fault="{fault}"',
+        "--set", "episodes.step_timeout_s=2", "--set", "faults.stall_timeout_s=600",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "broken", timeout=400,
     )  # fmt: skip
     out = " ".join(result.stderr.split())
     assert result.returncode == ExitCode.STALLED, result.stderr[-3000:]
@@ -982,3 +993,48 @@ def test_a_full_disk_stops_the_job_with_what_to_do(tmp_path, tiny_mock_job):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         subprocess.run(["umount", "-l", str(disk)])
+
+
+NAN_LOSS = """
+import equinox as eqx
+
+from marin_rl_core import LossPlugin, hookimpl
+from marin_rl_plugins.rloo import RLOOConfig, RLOOLoss
+
+
+class NanLoss(RLOOLoss):
+    def create_loss_fn(self, reference_model, train_model):
+        inner = super().create_loss_fn(reference_model, train_model)
+
+        def loss_fn(model, batch, *, key=None):
+            out = inner(model, batch, key=key)
+            return eqx.tree_at(lambda t: t.loss, out, out.loss * float("nan"))  # its own bug
+
+        return loss_fn
+
+
+@hookimpl
+def marinrl_register_losses():
+    yield LossPlugin(name="nan_loss", summary="a NaN loss", config_class=RLOOConfig,
+                     build=NanLoss)
+"""
+
+
+def test_a_loss_that_is_nan_names_its_plugin_and_not_the_learning_rate(tmp_path, tiny_mock_job):
+    """A loss plugin whose loss is NaN from the first step, with finite parameters: the stop
+    names the plugin and the loss's own computation (not "lower trainer.learning_rate", which
+    was wrong advice), and the step's row is in metrics.jsonl."""
+    (tmp_path / "nanloss.py").write_text(NAN_LOSS)
+    result = _run_with_plugin(
+        tmp_path, "nanloss", *tiny_mock_job, "--loss", "nan_loss",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "nan", timeout=300,
+    )  # fmt: skip
+    out = " ".join(result.stderr.split())
+    assert result.returncode == ExitCode.FAILURE, result.stderr[-3000:]
+    assert "training diverged at step 1" in out and "'nan_loss' loss plugin's loss is nan" in out
+    assert "the learning rate is not the cause" in out and "lower trainer.learning_rate" not in out
+    rows = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").open()]
+    (row,) = [r for r in rows if r["source"] == "train"]
+    assert (
+        row["step"] == 1 and row["diverged"] == 1.0 and row["loss"] == "nan"
+    )  # (as JSON holds it)

@@ -298,6 +298,41 @@ def as_named(values: jax.Array, like: NamedArray) -> NamedArray:
     return hax.named(values, like.axes)
 
 
+def non_finite_advice(
+    head: str,
+    bad: list[str],
+    out: dict[str, float],
+    *,
+    params_finite: bool,
+    kept: str,
+    loss: str,
+    precision: str,
+) -> str:
+    """What to tell the user when a step's ``bad`` values (``"loss"``, ``"grad_norm"``) are not
+    finite: advice that fits what happened. Parameters blown up by the previous update: the
+    learning rate. A non-finite loss from finite parameters: the loss plugin's own computation.
+    A finite loss with a non-finite gradient: its derivative, or the compute precision."""
+    if not params_finite:
+        return (
+            f"{head}: the previous update left the parameters non-finite, so the "
+            f"{', '.join(bad)} followed. {kept}; lower trainer.learning_rate or "
+            "trainer.max_grad_norm."
+        )
+    if "loss" in bad:
+        return (
+            f"{head}: the {loss!r} loss plugin's loss is {out['loss']} although the parameters "
+            "are finite (before this step's update): the loss's own computation made it (a log "
+            "or a division at zero, an overflow, a NaN advantage or reward reaching it); the "
+            f"learning rate is not the cause. {kept}; fix the loss (--loss {loss}), then resume."
+        )
+    return (
+        f"{head}: the gradient of the {loss!r} loss plugin's loss ({out['loss']:.4g}) is "
+        f"{out['grad_norm']} with finite parameters: a function with an infinite derivative "
+        "where it is evaluated (sqrt or log at 0), or an overflow in the compute precision "
+        f'({precision}). {kept}; fix the loss, or train with trainer.precision = "f32".'
+    )
+
+
 __all__ = [
     "AGGREGATIONS",
     "TokenLoss",
@@ -311,6 +346,7 @@ __all__ = [
     "kl_penalty",
     "masked_max",
     "masked_min",
+    "non_finite_advice",
     "policy_of",
     "reward_to_go",
     "sequence_mean",

@@ -45,6 +45,7 @@ from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupCh
 from marin_rl_core.learner.loss import (
     TrainedModel,
     batch_options,
+    non_finite_advice,
     policy_of,
     update_plan,
     with_loss_state,
@@ -479,16 +480,26 @@ class Trainer:
         for epoch in range(self.plan.epochs):
             order = rng.permutation(len(batches)) if epoch else range(len(batches))
             for i in order:
+                # (read before the update, which donates them: a reduction, cheap beside a step)
+                finite = all_finite(state.model)
                 state, loss, out = self.learner.step(state, batches[i])
                 out["loss"] = loss
                 bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
                 if bad:
                     many = self.plan.updates_per_step > 1
                     where = f" (epoch {epoch + 1}, update {updates + 1})" if many else ""
+                    # The step's row, as far as it got, before the job stops.
+                    self._log({**out, "diverged": 1.0}, step=self.step + 1, source="train")
                     raise TrainingDivergedError(
-                        f"training diverged at step {self.step + 1}{where}: non-finite "
-                        f"{', '.join(bad)}. {self._kept()}; lower trainer.learning_rate or "
-                        "trainer.max_grad_norm."
+                        non_finite_advice(
+                            f"training diverged at step {self.step + 1}{where}",
+                            bad,
+                            out,
+                            params_finite=finite,
+                            kept=self._kept(),
+                            loss=self.config.loss.name,
+                            precision=self.config.trainer.precision,
+                        )  # fmt: skip
                     )
                 for name, value in out.items():
                     totals.setdefault(name, []).append(value)
