@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import attrs
 import jax.numpy as jnp
@@ -106,10 +105,6 @@ def test_the_in_process_transfer_hands_over_the_published_arrays_once():
         client.receive(like)
 
 
-def _sigint_as_in_a_terminal() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _marinrl(tmp_path, *args: str, **popen) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "marin_rl_core", "run", *args],
@@ -122,6 +117,8 @@ def _marinrl(tmp_path, *args: str, **popen) -> subprocess.Popen:
 
 
 def test_a_colocated_job_trains_on_policy_stops_on_ctrl_c_and_resumes(tmp_path, tiny_mock_job):
+    from test_faults import _sigint_as_in_a_terminal, _train_steps, _wait_for
+
     run_dir = tmp_path / "colocated"
     common = [*tiny_mock_job, "--set", f'run_dir="{tmp_path}"', "--run-id", "colocated"]
     proc = _marinrl(
@@ -135,13 +132,7 @@ def test_a_colocated_job_trains_on_policy_stops_on_ctrl_c_and_resumes(tmp_path, 
         "trainer.checkpoint_interval_steps=1000",
         preexec_fn=_sigint_as_in_a_terminal,
     )
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and metrics.read_text().count('"source": "train"') >= 3:
-            break
-        time.sleep(0.5)
-    assert proc.poll() is None, proc.communicate()
+    _wait_for(proc, "step 3", lambda: len(_train_steps(run_dir)) >= 3)
     os.kill(proc.pid, signal.SIGINT)
     _, stderr = proc.communicate(timeout=300)
     assert proc.returncode == ExitCode.INTERRUPTED, stderr

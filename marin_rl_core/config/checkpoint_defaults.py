@@ -61,7 +61,11 @@ def checkpoint_defaults(
     answer = CHAT_MAX_TOKENS
     if _given(given, "model", "max_seq_len"):  # a length the user chose: half of it at most
         answer = max(1, min(answer, config.model.max_seq_len // 2))
-    else:  # half the checkpoint's context at most (the rest is for the prompt)
+    elif not (
+        _given(given, "sampling", "max_tokens") and _given(given, "eval", "sampling", "max_tokens")
+    ):
+        # Half the checkpoint's context at most (the rest is for the prompt); read only when
+        # a budget is still to be chosen.
         context = _context(config)
         if context:
             answer = max(1, min(answer, context // 2))

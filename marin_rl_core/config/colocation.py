@@ -66,8 +66,8 @@ def resolve_colocation(
     resources = config.resources
     colocate = resources.colocate
     said: list[str] = []
+    kind, count = local_accelerators() if accelerators is None else accelerators
     if colocate == "auto":
-        kind, count = local_accelerators() if accelerators is None else accelerators
         colocate = bool(
             count == 1
             and not config.ray_address
@@ -92,7 +92,6 @@ def resolve_colocation(
                 "to run the trainer and rollout workers apart"
             )
     resources = attrs.evolve(resources, colocate=colocate)
-    kind, count = local_accelerators() if accelerators is None else accelerators
     if colocate and count and not config.ray_address and not _asks_for_devices(given):
         # Ray shows an actor that asks for no GPU none of them: the process asks for them all.
         if kind == "GPU":
