@@ -12,7 +12,9 @@ know nothing.
   as soon as a cohort of the open episodes (``1 / episodes.generation_cohorts`` of them) has a
   call waiting, so that one cohort's calls gather while another's are sampled, or after a hold:
   ``episodes.agent_batch_window_s``, or half the last generation call's time if that is longer.
-  Calls with the same temperature and length budget share one generation call.
+  One generation call takes at most a cohort's share of calls; those that gathered past it go
+  in the next, so that calls' heights stay regular (fewer prefill shapes, less padding).
+  Calls of any temperature and length budget share a generation call, each with its own.
 * Recording: each call's prompt ids, sampled ids and log-probabilities go into the episode's
   :class:`~marin_rl_core.rollout.agent_transcript.Transcript`, which builds the next call's
   prompt from them.
@@ -110,7 +112,8 @@ class AgentServer:
         host, port: where to listen (port 0: any free one).
         batch_window_s: how long a call waits for other episodes' calls to batch with.
         cohorts: a generation call goes once this share (1 / cohorts) of the open episodes has a
-            call waiting (``episodes.generation_cohorts``, as in-process episodes are cohorted).
+            call waiting, and takes at most that many calls (``episodes.generation_cohorts``, as
+            in-process episodes are cohorted).
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class AgentServer:
         self._wake: asyncio.Event | None = None
         self.generate_seconds = 0.0
         self.generate_calls = 0
+        self.largest_call = 0  # the most agent calls one generation call served
         self._last_generate_s = 0.0
         self.requests = 0
 
@@ -519,7 +523,12 @@ class AgentServer:
                     await asyncio.wait_for(wake.wait(), left)
                 except TimeoutError:
                     break
-            jobs, self._pending = self._pending, []
+            # At most a cohort's share per call (as in-process cohorts are): calls that gathered
+            # past it go in the next, so the calls' shapes stay regular.
+            with self._lock:
+                largest = max(1, -(-len(self._sessions) // self.cohorts))
+            jobs, self._pending = self._pending[:largest], self._pending[largest:]
+            self.largest_call = max(self.largest_call, len(jobs))
             await self._sample(jobs)  # each call's own settings: one generation call for all
             if self._pending:
                 wake.set()
