@@ -83,11 +83,15 @@ class Sample:
             ``log_softmax(logits / T)``; untempered for greedy rows).
         stopped: whether the response ended with a stop token (``False``: it hit its budget;
             the rollout is then *truncated*).
+        weight_steps: ``(oldest, newest)``: the weight steps that sampled its tokens, from an
+            engine that takes new weights while rows decode (``in_flight_weights``); ``None``:
+            one set of weights sampled it, the one the caller gave the engine before the call.
     """
 
     tokens: np.ndarray
     logprobs: np.ndarray
     stopped: bool
+    weight_steps: tuple[int, int] | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -406,6 +406,12 @@ class GenerationEngine(Protocol):
       rest on it. An engine that cannot promise this (a remote server sampling with its own
       kernels, say) is registered with ``EnginePlugin(exact_logprobs=False)``; marinrl then
       uses it for evaluation only and refuses to train with it.
+
+    Optional: an engine whose class sets ``in_flight_weights = True`` takes
+    ``update_model(model, weight_step=step)`` from another thread while it samples (the rollout
+    worker's ``episodes.in_flight_weights``); rows in flight go on with the new weights from its
+    next round, their tokens so far re-read by them (the ``kv`` engine recomputes their cache),
+    and each :class:`~marin_rl_core.generation.Sample` gives the ``weight_steps`` that sampled it.
     """
 
     max_seqs: int

@@ -8,6 +8,7 @@ A batch becomes an Arrow stream with one row per rollout, in group order::
     part int32, truncated bool,
     worker_id string?, timestamp float64?, weight_step int64?   (null when metadata is None)
     worker_index int64?, batch_index int64?                     (null when not known)
+    last_weight_step int64?                                     (null: weight_step sampled all)
 
 The schema's metadata carries the format name, :data:`FORMAT_VERSION` and the number of groups
 (so groups without rollouts survive the round trip). Decoding checks the schema exactly and
@@ -26,9 +27,12 @@ import pyarrow as pa
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 FORMAT_NAME = b"marinrl.rollout_batch"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """Bump when the schema changes; decoders refuse versions they do not know. Version 3: token-exact
-multi-turn rollouts (one token row with a loss mask, turn starts and rewards)."""
+multi-turn rollouts (one token row with a loss mask, turn starts and rewards). Version 4 adds
+``last_weight_step`` (rollouts sampled across a weight swap); version 3 is still read (a run
+resumed from rollouts stored before)."""
+_READ_VERSIONS = (3, 4)
 
 _KEY_FORMAT = b"marinrl.format"
 _KEY_VERSION = b"marinrl.format_version"
@@ -53,9 +57,11 @@ _FIELDS = [
     pa.field("weight_step", pa.int64()),
     pa.field("worker_index", pa.int64()),
     pa.field("batch_index", pa.int64()),
+    pa.field("last_weight_step", pa.int64()),
 ]
 ROLLOUT_SCHEMA = pa.schema(_FIELDS)
 """The row schema (without the per-batch schema metadata)."""
+_SCHEMA_V3 = pa.schema(_FIELDS[:-1])
 
 _REQUIRED = [f.name for f in _FIELDS if not f.nullable]
 _METADATA_COLUMNS = ("worker_id", "timestamp", "weight_step")
@@ -100,6 +106,7 @@ def rollout_batch_to_table(batch: RolloutBatch) -> pa.Table:
         pa.array([int(m.weight_step) if m else None for m in meta], pa.int64()),
         pa.array([m.worker_index if m else None for m in meta], pa.int64()),
         pa.array([m.batch_index if m else None for m in meta], pa.int64()),
+        pa.array([m.last_weight_step if m else None for m in meta], pa.int64()),
     ]
     schema = ROLLOUT_SCHEMA.with_metadata(
         {
@@ -129,10 +136,11 @@ def _check_schema(schema: pa.Schema) -> int:
             f"{meta.get(_KEY_FORMAT)!r}, expected {FORMAT_NAME.decode()!r}"
         )
     version = meta.get(_KEY_VERSION, b"?").decode(errors="replace")
-    if version != str(FORMAT_VERSION):
+    if version not in {str(v) for v in _READ_VERSIONS}:
         raise RolloutDecodeError(
             f"rollout batch format version {version!r} is not supported (this marinrl reads "
-            f"version {FORMAT_VERSION}); run the writer and reader with the same marinrl version"
+            f"versions {', '.join(map(str, _READ_VERSIONS))}); run the writer and reader with "
+            "the same marinrl version"
         )
     try:
         num_groups = int(meta.get(_KEY_NUM_GROUPS, b""))
@@ -144,7 +152,7 @@ def _check_schema(schema: pa.Schema) -> int:
             f"{meta.get(_KEY_NUM_GROUPS)!r}"
         )
     got = [(f.name, f.type) for f in schema]
-    want = [(f.name, f.type) for f in ROLLOUT_SCHEMA]
+    want = [(f.name, f.type) for f in (_SCHEMA_V3 if version == "3" else ROLLOUT_SCHEMA)]
     if got != want:
         raise RolloutDecodeError(
             "rollout batch columns do not match the expected schema:\n"
@@ -203,6 +211,11 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
     weight_step = table.column("weight_step").to_pylist()
     worker_index = table.column("worker_index").to_pylist()
     batch_index = table.column("batch_index").to_pylist()
+    last_weight_step = (
+        table.column("last_weight_step").to_pylist()
+        if "last_weight_step" in table.column_names
+        else [None] * table.num_rows
+    )
 
     groups: list[list[Rollout]] = [[] for _ in range(num_groups)]
     for i in range(table.num_rows):
@@ -214,6 +227,7 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
                 weight_step=weight_step[i],
                 worker_index=worker_index[i],
                 batch_index=batch_index[i],
+                last_weight_step=last_weight_step[i],
             )
         try:
             rollout = Rollout(

@@ -246,7 +246,11 @@ class RolloutMetadata:
     Args:
         worker_id: which rollout worker produced it.
         timestamp: ``time.time()`` when it was generated.
-        weight_step: the trainer step whose weights sampled it.
+        weight_step: the trainer step whose weights sampled it: the oldest, when new weights
+            arrived while it was sampled (``episodes.in_flight_weights``); the replay buffer
+            counts its staleness from this one.
+        last_weight_step: the newest weight step that sampled any of its tokens, when that is
+            not ``weight_step``; ``None``: ``weight_step`` sampled all of it.
         worker_index: the rollout worker's index in the job (``None``: not from a job's worker).
         batch_index: that worker's batch counter when it sampled the rollout. With the run's
             seed and the worker index it fixes the problems and sampling keys the batch drew; a
@@ -258,6 +262,7 @@ class RolloutMetadata:
     weight_step: int
     worker_index: int | None = None
     batch_index: int | None = None
+    last_weight_step: int | None = None
 
 
 def _bool_array(value: Any) -> np.ndarray:

@@ -400,3 +400,55 @@ def test_kv_engine_sizes_its_slots_from_the_memory_budget(models, tok):
         sample_prompts(engine, prompts_of(tok, 1), n=engine.max_seqs + 1)
     with pytest.raises(ConfigError, match="raise model.inference_memory_fraction"):
         KVCacheEngine(models[0], memory_fraction=layers / free / 2, **kwargs)
+
+
+def test_kv_takes_new_weights_between_rounds_without_draining_its_rows(models, tok):
+    """In-flight weights (issue 48): weights swapped while rows decode take effect at the next
+    round; each token's logprob is from the weights that sampled it, and each sample says the
+    weight steps it spans."""
+    from marin_rl_core.generation import GenerationRequest
+    from marin_rl_core.rollout.kv_engine import KVCacheEngine
+
+    engine = KVCacheEngine(
+        models[0], max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=8, steps_per_round=2
+    )
+    assert engine.in_flight_weights
+    engine.update_model(models[0], weight_step=3)
+    prompts = prompts_of(tok, 2)
+    requests = [
+        GenerationRequest(prompt=p, n=2, temperature=1.0, max_tokens=10, seed=11, fold=i)
+        for i, p in enumerate(prompts)
+    ]
+    polls = []
+
+    def poll():
+        polls.append(len(polls))
+        if len(polls) == 1:
+            return [(requests, future)]
+        if len(polls) == 2:  # after the prefill and one round of 2 steps: 3 tokens each
+            engine.update_model(models[1], weight_step=4)
+        return []
+
+    import concurrent.futures
+
+    future = concurrent.futures.Future()
+    future.set_running_or_notify_cancel()
+    engine.serve(poll)
+    samples = [s for group in future.result() for s in group]
+    rows = [p for p in prompts for _ in range(2)]
+    old = response_logprobs(models[0], rows, [s.tokens for s in samples], max_seq_len=MAX_SEQ_LEN)
+    new = response_logprobs(models[1], rows, [s.tokens for s in samples], max_seq_len=MAX_SEQ_LEN)
+    spanned = 0
+    for s, a, b in zip(samples, old, new):
+        np.testing.assert_allclose(s.logprobs[:3], a[:3], atol=1e-4)
+        np.testing.assert_allclose(s.logprobs[3:], b[3:], atol=1e-4)
+        if s.tokens.size > 3:
+            assert s.weight_steps == (3, 4)
+            assert not np.allclose(s.logprobs[3:], a[3:], atol=1e-3)
+            spanned += 1
+        else:
+            assert s.weight_steps == (3, 3)
+    assert spanned >= 2
+    # A call that starts after the swap: one weight step.
+    after = engine.generate([GenerationRequest(prompt=prompts[0], max_tokens=4, seed=1)])
+    assert after[0][0].weight_steps == (4, 4)

@@ -35,6 +35,7 @@ def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bo
             weight_step=2**40 + i,
             worker_index=i % 3 if i % 4 else None,  # known or not: both round-trip
             batch_index=2**33 + i if i % 4 else None,
+            last_weight_step=2**40 + i + 2 if i % 3 else None,  # spanning a weight swap, or not
         )
         if metadata
         else None,
@@ -198,3 +199,18 @@ def test_mismatched_logprobs_row_is_refused():
     ).replace_schema_metadata(meta)
     with pytest.raises(RolloutDecodeError, match="row 0 is invalid"):
         deserialize_rollout_batch(_ipc(bad))
+
+
+def test_batches_stored_before_last_weight_step_still_read():
+    """Version 3 (before rollouts recorded the newest weight step) is still read: a run resumes
+    from rollouts an older marinrl stored."""
+    batch = RolloutBatch(groups=[RolloutGroup(rollouts=[make_rollout(i) for i in (0, 3)])])
+    table = rollout_batch_to_table(batch)
+    meta = {**table.schema.metadata, b"marinrl.format_version": b"3"}
+    old = table.drop_columns(["last_weight_step"]).replace_schema_metadata(meta)
+    read = deserialize_rollout_batch(_ipc(old))
+    assert [r.metadata.last_weight_step for r in read.rollouts] == [None, None]
+    assert [r.metadata.weight_step for r in read.rollouts] == [2**40, 2**40 + 3]
+    # A version-3 batch with the new column is not version 3.
+    with pytest.raises(RolloutDecodeError, match="columns do not match"):
+        deserialize_rollout_batch(_ipc(table.replace_schema_metadata(meta)))

@@ -377,6 +377,10 @@ class EpisodesConfig:
         agent_port: its port; 0 picks a free one (each rollout worker has its own endpoint).
         agent_batch_window_s: how long an agent's call waits for other episodes' calls to be
             sampled with it, unless every running episode has a call waiting already.
+        in_flight_weights: take the trainer's newer weights while a batch samples (every 0.5
+            s), between decode rounds, without draining the rows in flight (engines that can:
+            ``kv``); each rollout records the weight steps it spans and its staleness counts
+            from the oldest. Off: new weights between batches only. docs/scaling.md.
     """
 
     max_turns: int = attrs.field(default=8, validator=attrs.validators.ge(1))
@@ -391,6 +395,7 @@ class EpisodesConfig:
         default=0, validator=[attrs.validators.ge(0), attrs.validators.le(65535)]
     )
     agent_batch_window_s: float = attrs.field(default=0.005, validator=attrs.validators.ge(0))
+    in_flight_weights: bool = False
 
 
 @attrs.frozen(kw_only=True)

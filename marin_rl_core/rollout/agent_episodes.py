@@ -227,6 +227,7 @@ class AgentEpisodes:
             result.env_calls = len(transcript.calls)
             result.env_seconds = max(spent - session.wait_seconds, 0.0)
             result.splits = dict(transcript.splits)
+            result.weight_steps = session.weight_steps
             if failure is not None:
                 result.failure = failure
                 return

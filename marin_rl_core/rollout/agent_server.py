@@ -55,7 +55,7 @@ from marin_rl_core.rollout.agent_api import (
     stream_events,
 )
 from marin_rl_core.rollout.agent_transcript import Transcript
-from marin_rl_core.rollout.episode_state import episode_seed
+from marin_rl_core.rollout.episode_state import episode_seed, span_weight_steps
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ class AgentSession:
     limit: str | None = None  # the limit the episode ran into, if any
     closed: str | None = None
     wait_seconds: float = 0.0  # time its calls waited for generation
+    weight_steps: tuple[int, int] | None = None  # (oldest, newest) that sampled its calls
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
 
@@ -466,6 +467,8 @@ class AgentServer:
                 raise APIError(
                     410, f"this episode has ended ({session.closed})", code="episode_closed"
                 )
+            for sample in samples:
+                session.weight_steps = span_weight_steps(session.weight_steps, sample.weight_steps)
             for choice, ids, logprobs in choices:
                 session.sampled += len(ids)
                 session.transcript.record(

@@ -87,6 +87,9 @@ class EpisodeResult:
         env_calls: ``step`` calls (an agent episode's: its calls to the policy).
         splits: an agent episode's extra training samples, by reason (``"fork"``,
             ``"template"``, ``"branch"``: :class:`~marin_rl_core.rollout.agent_transcript.Transcript`).
+        weight_steps: ``(oldest, newest)`` weight step of the weights that sampled its tokens,
+            when the engine says (it took new weights while rows decoded); ``None``: the
+            batch's weights sampled all of it.
     """
 
     rollouts: list[Rollout] = attrs.field(factory=list)
@@ -97,6 +100,7 @@ class EpisodeResult:
     env_step_seconds: float = 0.0
     env_calls: int = 0
     splits: dict[str, int] = attrs.field(factory=dict)
+    weight_steps: tuple[int, int] | None = None
 
 
 @attrs.define(eq=False)
@@ -118,6 +122,15 @@ class Live:
     result: EpisodeResult = attrs.field(factory=EpisodeResult)
 
 
+def span_weight_steps(
+    steps: tuple[int, int] | None, more: tuple[int, int] | None
+) -> tuple[int, int] | None:
+    """The ``(oldest, newest)`` weight steps of two spans together (``None``: unknown)."""
+    if steps is None or more is None:
+        return more if steps is None else steps
+    return min(steps[0], more[0]), max(steps[1], more[1])
+
+
 def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> Action:
     """Append a sampled action's tokens to the episode; the action as the env sees it."""
     tokens = [int(t) for t in sample.tokens]
@@ -128,6 +141,7 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
     live.mask.extend([True] * len(tokens))
     live.logprobs.extend(float(x) for x in sample.logprobs)
     live.turn += 1
+    live.result.weight_steps = span_weight_steps(live.result.weight_steps, sample.weight_steps)
     truncated = not sample.stopped
     live.truncated = truncated
     text = tokenizer.decode([t for t in tokens if t not in stop_set])

@@ -156,9 +156,14 @@ class Sampler:
         current model (new weights of the same architecture); anything else is rejected. Its
         floating-point parameters are cast to the engine's ``compute_dtype`` and sharded over its
         mesh."""
+        self._model = self._checked(model)
+
+    def _checked(self, model: LmHeadModel) -> LmHeadModel:
+        """``model`` placed as the engine's (:meth:`_place`), refused unless it has the current
+        model's structure and shapes."""
         model = self._place(model)
         _check_same_shapes(self._model, model)
-        self._model = model
+        return model
 
 
 class SamplingEngine(Sampler):

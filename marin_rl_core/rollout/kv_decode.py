@@ -253,6 +253,28 @@ def prefill(
 
 
 @functools.partial(eqx.filter_jit, donate="all-except-first")
+def refill(
+    model: LlamaLMHeadModel, state: DecodeState, slots: jax.Array, *, width: int
+) -> DecodeState:
+    """Recompute the keys and values of the first ``width`` positions of ``slots`` (``>= C``:
+    padding, dropped) with ``model``: rows in flight continue on new weights as if those had
+    sampled their tokens so far (positions past a row's cached ones get values its next decode
+    steps overwrite before they are visible)."""
+    ids = state.tokens[jnp.clip(slots, 0, state.tokens.shape[0] - 1), :width]
+    pos = hax.named(jnp.broadcast_to(jnp.arange(width), ids.shape), ("batch", "position"))
+    causal = jnp.arange(width)[:, None] >= jnp.arange(width)[None, :]
+    visible = jnp.broadcast_to(causal, (ids.shape[0], width, width))
+    x = _embed(model, ids)
+    k_caches, v_caches = [], []
+    for layer, k_cache, v_cache in zip(_layers(model), state.k, state.v):
+        q, k, v = _qkv(layer, x, pos)
+        k_caches.append(k_cache.at[slots, :, :, :width].set(k.astype(k_cache.dtype), mode="drop"))
+        v_caches.append(v_cache.at[slots, :, :width].set(v.astype(v_cache.dtype), mode="drop"))
+        x = _finish_layer(layer, x, _attend(layer, q, k, v, visible))
+    return dataclasses.replace(state, k=tuple(k_caches), v=tuple(v_caches))
+
+
+@functools.partial(eqx.filter_jit, donate="all-except-first")
 def decode_round(
     model: LlamaLMHeadModel,
     state: DecodeState,

@@ -37,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,7 @@ from marin_rl_core.rollout.kv_decode import (
     decode_round,
     kv_shape,
     prefill,
+    refill,
 )
 
 logger = logging.getLogger(__name__)
@@ -117,6 +119,10 @@ class KVCacheEngine(Sampler):
     """
 
     name = "kv"
+    in_flight_weights = True
+    """:meth:`update_model` may be called from another thread while rows decode: the new
+    weights take effect at the next round (or prefill), rows in flight go on with them, and each
+    :class:`~marin_rl_core.generation.Sample` says which weight steps sampled it."""
 
     def __init__(
         self,
@@ -176,12 +182,34 @@ class KVCacheEngine(Sampler):
         self._done = np.ones(self.max_seqs, bool)
         self._lengths = np.ones(self.max_seqs, np.int32)
         self._ends = np.ones(self.max_seqs, np.int32)
+        # The weights and their step, swapped together (update_model may run on another thread).
+        self._weights_lock = threading.Lock()
+        self._weight_step: int | None = None
+        self._version = 0  # bumped by every update_model
+        self._slot_version = np.zeros(self.max_seqs, np.int64)  # the weights of each slot's cache
+        self._first_step = np.zeros(self.max_seqs, np.int64)  # each slot's oldest weight step
+        self._last_step = np.zeros(self.max_seqs, np.int64)  # and newest
         self.rounds = 0  # decode rounds run, for benches and tests
         self.prefills = 0
+        self.refills = 0  # groups of rows whose caches new weights recomputed
 
     @property
     def slots(self) -> int:
         return self.max_seqs
+
+    def update_model(self, model: LmHeadModel, *, weight_step: int | None = None) -> None:
+        """Sample from ``model`` (the weights of trainer step ``weight_step``) from the next
+        prefill or decode round on, even while a call decodes (see :attr:`in_flight_weights`).
+        Placing the new weights happens on the caller's thread; rows in flight are not
+        drained."""
+        model = self._checked(model)
+        with self._weights_lock:
+            self._model, self._weight_step = model, weight_step
+            self._version += 1
+
+    def _weights(self) -> tuple[LmHeadModel, int | None, int]:
+        with self._weights_lock:
+            return self._model, self._weight_step, self._version
 
     def _empty_state(self) -> DecodeState:
         layers, kv_heads, head_size = kv_shape(self._model)
@@ -311,12 +339,32 @@ class KVCacheEngine(Sampler):
         steps = min(self.steps_per_round, left) if more_coming else left
         reach = max(int(lengths[i]) for i in live) + steps
         window = bucket(reach, least=MIN_WINDOW, most=self.max_seq_len)
+        model, step, version = self._weights()
+        stale = [i for i in live if self._slot_version[i] != version]
+        if stale:
+            self._refill(model, stale)
+            self._slot_version[stale] = version
         self._state, done, length = decode_round(
-            self._model, self._state, jnp.asarray(steps, jnp.int32), rows=rows, window=window
+            model, self._state, jnp.asarray(steps, jnp.int32), rows=rows, window=window
         )
+        if step is not None:
+            self._last_step[live] = step
         self.rounds += 1
         done, length = jax.device_get((done, length))
         self._done[:rows], self._lengths[:rows] = done, length
+
+    def _refill(self, model: LmHeadModel, slots: list[int]) -> None:
+        """New weights arrived while ``slots`` decode: recompute their cached keys and values
+        with them (one prefill of their tokens so far, in groups within the prefill budget), so
+        that what they sample next is what the new weights sample given their tokens."""
+        width = prompt_bucket(max(int(self._lengths[i]) - 1 for i in slots), self.max_seq_len)
+        group = max(1, self.max_prefill_tokens // width)
+        for at in range(0, len(slots), group):
+            chunk = slots[at : at + group]
+            padded = np.full(bucket(len(chunk)), self.max_seqs, np.int32)
+            padded[: len(chunk)] = chunk
+            self._state = refill(model, self._state, jnp.asarray(padded), width=width)
+            self.refills += 1
 
     def _admit(
         self,
@@ -371,8 +419,13 @@ class KVCacheEngine(Sampler):
             self._done[slot] = False
             self._lengths[slot] = len(request.prompt) + 1
             self._ends[slot] = end[j]
+        model, step, version = self._weights()
+        self._slot_version[slots[slots < self.max_seqs]] = version
+        if step is not None:
+            self._first_step[slots[slots < self.max_seqs]] = step
+            self._last_step[slots[slots < self.max_seqs]] = step
         self._state = prefill(
-            self._model,
+            model,
             self._state,
             *(
                 jnp.asarray(a)
@@ -419,6 +472,9 @@ class KVCacheEngine(Sampler):
                 tokens=response,
                 logprobs=np.asarray(logprobs[slot, begin:end], np.float32),
                 stopped=response.size > 0 and int(response[-1]) in stops_of[r],
+                weight_steps=None
+                if self._weight_step is None
+                else (int(self._first_step[slot]), int(self._last_step[slot])),
             )
             sub.left -= 1
             if sub.left == 0:

@@ -60,6 +60,18 @@ def batch_stats(lesson_id: str, batch: RolloutBatch | None, step: int) -> Lesson
     )
 
 
+def weights_spanned(metadata: RolloutMetadata, steps: tuple[int, int] | None) -> RolloutMetadata:
+    """``metadata`` of a rollout whose tokens the weight steps ``steps`` (``(oldest, newest)``,
+    ``None``: the batch's) sampled: ``weight_step`` is the oldest (staleness is counted from it),
+    ``last_weight_step`` the newest when it differs."""
+    if steps is None or steps == (metadata.weight_step, metadata.weight_step):
+        return metadata
+    oldest, newest = steps
+    return attrs.evolve(
+        metadata, weight_step=oldest, last_weight_step=newest if newest != oldest else None
+    )
+
+
 class RolloutManager:
     """Inference + envs + curriculum bookkeeping for one process.
 
@@ -146,9 +158,21 @@ class RolloutManager:
         """The :class:`~marin_rl_core.protocols.GenerationEngine` sampling."""
         return self._engine
 
-    def update_model(self, model: Any) -> None:
-        """Sample from ``model`` (new weights, same architecture) from now on."""
-        self._engine.update_model(model)
+    @property
+    def in_flight_weights(self) -> bool:
+        """Whether the engine takes new weights while rows decode (see
+        :meth:`update_model`)."""
+        return bool(getattr(self._engine, "in_flight_weights", False))
+
+    def update_model(self, model: Any, *, weight_step: int | None = None) -> None:
+        """Sample from ``model`` (new weights, same architecture; the trainer's step
+        ``weight_step``) from now on. An engine with ``in_flight_weights`` may be given them
+        from another thread while it samples: rows in flight go on with them, and each rollout's
+        metadata says the weight steps it spans."""
+        if self.in_flight_weights:
+            self._engine.update_model(model, weight_step=weight_step)
+        else:
+            self._engine.update_model(model)
 
     def shutdown(self) -> None:
         for env in self._envs.values():
@@ -345,7 +369,9 @@ class RolloutManager:
                 env_errors += any(f.kind == "error" for f in failures)
                 continue
             rollouts = [
-                r.with_metadata(metadata) for result in problem_results for r in result.rollouts
+                r.with_metadata(weights_spanned(metadata, result.weight_steps))
+                for result in problem_results
+                for r in result.rollouts
             ]
             if not rollouts:
                 continue
@@ -357,6 +383,9 @@ class RolloutManager:
                     score_metrics.setdefault(name, []).append(value)
         batch = RolloutBatch(groups=groups) if groups else None
         rollouts_all = batch.rollouts if batch else []
+        spanning = sum(
+            r.metadata is not None and r.metadata.last_weight_step is not None for r in rollouts_all
+        )
         generated = sum(r.num_policy_tokens for r in rollouts_all)
         heads = [r for r in rollouts_all if r.part == 0]
         metrics = {
@@ -374,6 +403,8 @@ class RolloutManager:
             "env_step_seconds": step_seconds / env_calls if env_calls else 0.0,
             "env_process_restarts": float(getattr(env, "restarts", 0)),
             "env_hung_threads": float(self._runner.hung_threads),
+            # Rollouts sampled by more than one weight step (new weights arrived mid-batch).
+            "frac_spanning_weights": spanning / len(rollouts_all) if rollouts_all else 0.0,
         }
         if agents:
             metrics["agent_splits"] = splits

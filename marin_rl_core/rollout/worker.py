@@ -10,6 +10,7 @@ full), and logs metrics. Worker 0 also runs the periodic held-out evaluation eve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -22,6 +23,7 @@ from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
+from marin_rl_core.rollout.in_flight import polling_weights
 from marin_rl_core.rollout.manager import RolloutManager
 from marin_rl_core.types import ReceivedWeights, RolloutBatch
 
@@ -176,7 +178,7 @@ class RolloutWorker:
             return False
         step = received.weight_step
         self._received.append(received)
-        self.manager.update_model(received.model)
+        self.manager.update_model(received.model, weight_step=int(step))
         self.weight_step = int(step)
         now = time.monotonic()
         if self._last_weights_at is not None:
@@ -190,6 +192,18 @@ class RolloutWorker:
         self.weight_syncs += 1
         logger.info("worker %s: now sampling with weights of step %d", self.worker_id, step)
         return True
+
+    def _in_flight(self) -> Any:
+        """While a training batch samples: newer weights every 0.5 s into an engine that takes
+        them between decode rounds, if ``episodes.in_flight_weights`` asks for it
+        (:mod:`~marin_rl_core.rollout.in_flight`); else nothing."""
+        if not (
+            self.config.episodes.in_flight_weights
+            and self.manager.in_flight_weights
+            and self.weight_client is not None
+        ):
+            return contextlib.nullcontext([0])
+        return polling_weights(self.sync_weights, interval=0.5, name=self.worker_id)
 
     def _receive_metrics(self) -> dict[str, float]:
         """The weight receives since the last row (while sampling or waiting for weights):
@@ -276,14 +290,15 @@ class RolloutWorker:
             / (self.config.num_rollout_workers)
         )
 
-    def _count_generated(self, n: int) -> None:
-        """Count ``n`` training rollouts made with the current weights for pacing: a weight
+    def _count_generated(self, n: int, step: int) -> None:
+        """Count ``n`` training rollouts made with the weights of ``step`` (a batch's first:
+        later ones may have joined it, ``episodes.in_flight_weights``) for pacing: a weight
         version counts only up to ``max_rollout_step_delay + 1`` steps' worth; the rest (made
         because the trainer was short of rollouts) is surplus, which the trainer may drop as
         stale without the worker owing it anything."""
         cap = (self.config.replay_buffer.max_rollout_step_delay + 1) * self._share
-        before = self._generated_at.get(self.weight_step, 0)
-        self._generated_at[self.weight_step] = before + n
+        before = self._generated_at.get(step, 0)
+        self._generated_at[step] = before + n
         counted = min(before + n, cap) - min(before, cap)
         self._usable += counted
         self._surplus += n - counted
@@ -465,17 +480,20 @@ class RolloutWorker:
                     step=self.weight_step,
                     source="rollout",
                 )
-            batch, metrics = self.manager.sample_batch(
-                lesson_id,
-                n_examples=sampling.n_prompts,
-                n_generations=sampling.n_generations_per_prompt,
-                mode="train",
-                seed=self._seed(counter),
-                weight_step=self.weight_step,
-                worker_id=self.worker_id,
-                worker_index=self.worker_index,
-                batch_index=counter,
-            )
+            batch_step = self.weight_step
+            with self._in_flight() as swaps:
+                batch, metrics = self.manager.sample_batch(
+                    lesson_id,
+                    n_examples=sampling.n_prompts,
+                    n_generations=sampling.n_generations_per_prompt,
+                    mode="train",
+                    seed=self._seed(counter),
+                    weight_step=batch_step,
+                    worker_id=self.worker_id,
+                    worker_index=self.worker_index,
+                    batch_index=counter,
+                )
+            metrics["in_flight_swaps"] = float(swaps[0])
             counter += 1
             self.next_batch = counter
             self.batches_sampled += 1
@@ -491,7 +509,7 @@ class RolloutWorker:
                 self._stop.wait(min(0.05 * 2 ** min(self.empty_batches_in_a_row - 1, 7), 5.0))
             else:
                 self.empty_batches_in_a_row = 0
-                self._count_generated(len(batch.rollouts))
+                self._count_generated(len(batch.rollouts), batch_step)
                 self.manager.update_training_stats(lesson_id, batch, self.weight_step)
                 write_start = time.monotonic()
                 if self._write(batch):
