@@ -92,12 +92,15 @@ class MetricsHub:
         run logged them, and they are about to be trained again), and the eval rows of ``step``
         itself (the resumed run evaluates its starting weights again: a finished run extended
         would otherwise log its final eval twice), so that every step has one set of rows.
-        Returns the number of rows dropped."""
+        A row of source ``run`` (``run/resumed_from``) marks where the resumed run starts (the
+        summary's seconds leave out the time between the runs). Returns the number of rows
+        dropped."""
         self._file.close()
         try:
             return drop_rows_after(self.path, step, eval_too=True)
         finally:
             self._file = self.path.open("a", buffering=1)
+            self.log({"run/resumed_from": step}, step=step, source="run")
 
     def latest(self) -> dict[str, Any]:
         """The most recent value of every metric (plus ``<source>_step``, and ``write_error``
@@ -140,8 +143,9 @@ def _make_tracker(name: str, run_dir: str, run_id: str) -> Any:
 
 def drop_rows_after(path: str | Path, step: int, *, eval_too: bool = False) -> int:
     """Rewrite the JSON-lines file ``path`` without its rows of steps after ``step`` (and its
-    damaged lines; with ``eval_too``, its ``"eval"`` rows of ``step`` as well); returns how many
-    lines went. A missing file has none."""
+    damaged lines; with ``eval_too``, its ``"eval"`` rows of ``step`` as well), keeping the
+    ``"run"`` rows that mark where resumed runs started; returns how many lines went. A missing
+    file has none."""
     path = Path(path)
     if not path.exists():
         return 0
@@ -151,7 +155,9 @@ def drop_rows_after(path: str | Path, step: int, *, eval_too: bool = False) -> i
         try:
             row = json.loads(line)
             at = int(row["step"])
-            if at > step or (eval_too and at == step and row.get("source") == "eval"):
+            if row.get("source") == "run":
+                pass  # where a resumed run started: its time is not counted twice
+            elif at > step or (eval_too and at == step and row.get("source") == "eval"):
                 continue
         except (ValueError, KeyError, TypeError):
             continue  # a damaged or partly written line

@@ -78,10 +78,15 @@ class Episode(Protocol):
 class MultiTurnEnv(Protocol):
     """An env whose episodes take several turns: ``reset`` a problem, then ``step`` actions.
 
-    The problem's ``prompt`` / ``messages`` is the first observation. An env may also implement
-    ``close(episode)`` to release an episode's resources; it is called once per episode,
-    however the episode ended. A single-turn :class:`Env` is the one-step special case:
-    :func:`marin_rl_core.rollout.episode_state.as_multi_turn` wraps one (the rollout side does so itself).
+    The problem's ``prompt`` / ``messages`` is the first observation. A single-turn
+    :class:`Env` is the one-step special case:
+    :func:`marin_rl_core.rollout.episode_state.as_multi_turn` wraps one (the rollout side does so
+    itself).
+
+    Optional members:
+
+    * ``close(episode)``: release an episode's resources; called once per episode, however the
+      episode ended.
     """
 
     def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:
@@ -169,27 +174,29 @@ class RLLossModule(Protocol):
     ``create_loss_fn`` inside its compiled step, each time that step is traced, with the
     reference model the step receives as an argument.
 
-    Optional attribute ``aggregation``: how the per-token losses become the step's loss, one of
-    :data:`LOSS_AGGREGATIONS` or ``(name, length)`` (the ``L`` of ``"sum_over_length"``, 0 for
-    ``model.max_seq_len``); ``"token_mean"`` when absent (:mod:`marin_rl_core.learner.loss`).
-    Optional attribute ``needs_token_rewards``: ``True`` fills ``TrainingBatch.token_rewards``
-    (per-token rewards, for value-based losses such as GAE).
+    Optional members (absent: the default; :mod:`marin_rl_core.learner.loss`,
+    :class:`UpdatePlan`):
 
-    Optional method ``init_state(policy, *, key) -> eqx.Module | None``: trainable state of the
-    loss's own (a critic). The trainer then trains ``TrainedModel(policy, loss_state)``
-    (:mod:`marin_rl_core.learner.loss`), checkpoints both, publishes and exports the policy
-    alone, and passes the whole to the loss function; the state learns at the module's
-    ``state_learning_rate`` (``None``: the policy's).
-
-    Optional attributes ``update_epochs``, ``update_minibatches`` (default 1 each): each trainer
-    step makes ``update_epochs`` passes over its batch cut into ``update_minibatches`` parts, one
-    optimizer update each; ``frozen_policy_steps`` (default 0): the run's first trainer steps
-    train the loss's state alone (:class:`UpdatePlan`).
-    Optional attribute ``create_prepare_fn`` (absent or ``None``: nothing): a callable
-    ``(reference_model, train_model) -> fn(model, batches) -> tuple[dict[str, NamedArray], ...]``
-    called as ``create_loss_fn`` is, whose ``fn`` runs once per trainer step before its updates
-    on all its minibatches and returns per-token arrays for each (``TrainingBatch.prepared``):
-    what the updates compare against (PPO's old values) or normalise over the whole step.
+    * ``aggregation``: how the per-token losses become the step's loss, one of
+      :data:`LOSS_AGGREGATIONS` or ``(name, length)`` (the ``L`` of ``"sum_over_length"``, 0 for
+      ``model.max_seq_len``); default ``"token_mean"``.
+    * ``needs_token_rewards``: ``True`` fills ``TrainingBatch.token_rewards`` (per-token
+      rewards, for value-based losses such as GAE).
+    * ``init_state(policy, *, key) -> eqx.Module | None``: trainable state of the loss's own (a
+      critic). The trainer then trains ``TrainedModel(policy, loss_state)``, checkpoints both,
+      publishes and exports the policy alone, and passes the whole to the loss function.
+    * ``state_learning_rate``: the learning rate of that state (``None``: the policy's).
+    * ``update_epochs``, ``update_minibatches`` (default 1 each): each trainer step makes
+      ``update_epochs`` passes over its batch cut into ``update_minibatches`` parts, one optimizer
+      update each.
+    * ``frozen_policy_steps`` (default 0): the run's first trainer steps train the loss's state
+      alone.
+    * ``create_prepare_fn(reference_model, train_model) -> fn(model, batches) ->
+      tuple[dict[str, NamedArray], ...]``: called as ``create_loss_fn`` is; its ``fn`` runs once
+      per trainer step before its updates, on all its minibatches, and returns per-token arrays
+      for each (``TrainingBatch.prepared``): what the updates compare against (PPO's old values)
+      or normalise over the whole step. The one place a whole-step statistic is computed: inside
+      ``loss_fn`` it would be per micro-batch.
     """
 
     @property
@@ -407,11 +414,17 @@ class GenerationEngine(Protocol):
       kernels, say) is registered with ``EnginePlugin(exact_logprobs=False)``; marinrl then
       uses it for evaluation only and refuses to train with it.
 
-    Optional: an engine whose class sets ``in_flight_weights = True`` takes
-    ``update_model(model, weight_step=step)`` from another thread while it samples (the rollout
-    worker's ``episodes.in_flight_weights``); rows in flight go on with the new weights from its
-    next round, their tokens so far re-read by them (the ``kv`` engine recomputes their cache),
-    and each :class:`~marin_rl_core.generation.Sample` gives the ``weight_steps`` that sampled it.
+    Optional members:
+
+    * ``serve(poll)``: serve submissions continuously (the generation queue calls it instead of
+      ``generate``): ``poll()`` returns the ``(requests, future)`` pairs submitted since the last
+      call; a request that arrives while others decode joins them, and each future gets its
+      samples as soon as its own rows finish.
+    * ``in_flight_weights`` (``True``): ``update_model(model, weight_step=step)`` may be called
+      from another thread while it samples (the rollout worker's ``episodes.in_flight_weights``);
+      rows in flight go on with the new weights from its next round, their tokens so far re-read
+      by them (the ``kv`` engine recomputes their cache), and each
+      :class:`~marin_rl_core.generation.Sample` gives the ``weight_steps`` that sampled it.
     """
 
     max_seqs: int

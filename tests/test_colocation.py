@@ -214,3 +214,31 @@ def test_what_the_user_set_is_kept_on_a_pretrained_model(registry):
     # The tiny default model keeps the defaults the default task was tuned with.
     tiny = resolve_config(registry)
     assert checkpoint_defaults(tiny, {}, [], ("", 0)) is tiny
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss", "env", "storage"),
+    [("ppo", "guess", "gcs"), ("grpo", "guess_agent", "memory")],
+    ids=["ppo-multi-turn-object-storage", "grpo-agents"],
+)
+def test_colocated_jobs_run_every_kind_of_plugin(tmp_path, loss, env, storage):
+    """Colocated (issue 49): a loss with a critic and several updates per step on a multi-turn
+    env through object storage, and a group loss on agents through the endpoint, each train,
+    evaluate at the end, and stay on-policy."""
+    run_dir = tmp_path / "c"
+    proc = _marinrl(
+        tmp_path, "--loss", loss, "--env", env, "--storage", storage,
+        "--set", "resources.colocate=true", "--set", "trainer.num_train_steps=3",
+        "--set", "trainer.batch_size=64", "--set", "eval.frequency=100",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "c",
+    )  # fmt: skip
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    rows = read_metrics(run_dir)
+    train = [r for r in rows if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["mean_weight_lag"] == 0.0 for r in train)
+    assert any(r["source"] == "eval" and r["step"] == 3 for r in rows)
+    rollout = [r for r in rows if r["source"] == "rollout" and "rollout/turns" in r]
+    assert rollout and all(r["rollout/turns"] >= 1 for r in rollout)

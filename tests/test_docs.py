@@ -25,6 +25,40 @@ def test_every_hook_is_documented(hook):
     assert getattr(hookspecs, hook).__doc__, f"{hook} needs a docstring"
 
 
+def _protocol_members() -> list[tuple[str, str]]:
+    """Every protocol's members as a plugin author meets them: its methods and attributes, and
+    the optional ones its docstring lists under "Optional members" (``* ``name``...``)."""
+    import ast
+    import re
+
+    from marin_rl_core import protocols
+
+    tree = ast.parse(Path(protocols.__file__).read_text())
+    found = []
+    for node in tree.body:
+        if not (isinstance(node, ast.ClassDef) and any(
+            getattr(base, "id", "") == "Protocol" for base in node.bases
+        )):  # fmt: skip
+            continue
+        names = [n.name for n in node.body if isinstance(n, ast.FunctionDef)]
+        names += [n.target.id for n in node.body if isinstance(n, ast.AnnAssign)]
+        optional = (ast.get_docstring(node) or "").partition("Optional members")[2]
+        names += re.findall(r"^\s*\* ``(\w+)", optional, flags=re.MULTILINE)
+        names += re.findall(r"^\s*\* ``\w+``, ``(\w+)``", optional, flags=re.MULTILINE)
+        found += [(node.name, n) for n in names if not n.startswith("_")]
+    return found
+
+
+@pytest.mark.parametrize(("protocol", "member"), _protocol_members())
+def test_every_protocol_member_and_optional_member_is_in_hooks_md(protocol, member):
+    """hooks.md is where plugin authors look (issue 50): each method, attribute and optional
+    member of the contracts is there by name, ``create_prepare_fn`` with its signature."""
+    hooks = read("hooks.md")
+    assert f"`{member}" in hooks, f"docs/hooks.md does not mention {protocol}.{member}"
+    if member == "create_prepare_fn":
+        assert "`create_prepare_fn(reference_model, train_model) -> fn(model, batches)" in hooks
+
+
 @pytest.mark.parametrize(
     "command",
     [

@@ -165,6 +165,19 @@ def test_episodes_draw_the_same_tokens_from_the_same_seed():
     assert [r.tokens.tolist() for r in a.rollouts] != [r.tokens.tolist() for r in c.rollouts]
 
 
+def test_the_tokens_of_a_seed_do_not_depend_on_the_generation_cohorts():
+    """Lock-step turns (one cohort) or cohorts overlapping env steps: the same episodes, token
+    for token (each action's key is its episode's own; issue 50). They used to differ."""
+    kwargs = dict(n_examples=6, n_generations=4, mode="train", weight_step=0, worker_id="w")
+    tokens = []
+    for cohorts in (1, 2, 3):
+        manager, _ = _manager("guess", overrides=[f"episodes.generation_cohorts={cohorts}"])
+        batch, _ = manager.sample_batch("guess_digit", seed=11, **kwargs)
+        tokens.append([r.tokens.tolist() for r in batch.rollouts])
+        manager.shutdown()
+    assert tokens[0] == tokens[1] == tokens[2]
+
+
 # --- envs that wait, hang, raise, or never end ---------------------------------------------------
 
 

@@ -439,6 +439,34 @@ def test_a_rollout_worker_restarted_at_the_end_evaluates_the_final_weights(tmp_p
     assert "no final eval" not in (run_dir / "driver.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_rollout_worker_killed_in_the_last_steps_is_counted_and_logged(tmp_path, tiny_mock_job):
+    """SIGKILL rollout worker 1 one step before the end: worker 0 feeds the last step, the job
+    finishes before Ray has the worker back, and its death is still in driver.log and the
+    restart counter (it used to be neither)."""
+    run_dir = tmp_path / "last"
+    log = run_dir / "logs" / "rollout-1.log"
+    proc = _start_job(
+        tmp_path, "last", tiny_mock_job, "--set", "num_rollout_workers=2",
+        "--set", "trainer.num_train_steps=6",
+    )  # fmt: skip
+    _wait_for(proc, "step 5", lambda: len(_train_steps(run_dir)) >= 5)
+    pid = _pid(log, "rollout worker 1 process")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert _train_steps(run_dir) == [1, 2, 3, 4, 5, 6]
+    driver = (run_dir / "driver.log").read_text()
+    assert f"rollout worker 1 died in the last steps (process {pid}); restart 1 of 3" in driver, (
+        driver[-3000:]
+    )
+    from marin_rl_core.metrics import read_metrics
+
+    restarts = [r for r in read_metrics(run_dir) if "faults/rollout_worker_restarts" in r]
+    assert restarts and restarts[-1]["faults/rollout_worker_restarts"] == 1
+
+
 def _problems_by_batch(run_dir: Path, after: int = 0) -> dict[int, set[str]]:
     """The problems of worker 0's batch k that were trained on after step ``after`` (every
     trained rollout is in samples.jsonl with its worker and batch counter)."""

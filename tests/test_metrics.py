@@ -102,4 +102,5 @@ def test_a_resumed_run_keeps_one_set_of_rows_per_step_its_start_eval_included(tm
     hub.log({"eval/a/reward": 0.55}, step=4, source="eval")  # the resumed run's own
     hub.close()
     rows = [(r["step"], r["source"]) for r in read_metrics(tmp_path)]
-    assert rows == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "eval")]
+    # The "run" row marks where the resumed run starts (the summary's seconds count each run's).
+    assert rows == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "run"), (4, "eval")]

@@ -100,3 +100,29 @@ def test_report_skips_and_counts_lines_that_are_json_but_not_rows(cli, tmp_path)
     assert "2 train steps" in result.output
     assert "skipped 5 damaged lines of metrics.jsonl" in result.output
     assert (tmp_path / "reward_curve.png").stat().st_size > 0
+
+
+def test_a_resumed_runs_seconds_leave_out_the_time_between_the_runs(tmp_path, monkeypatch):
+    """A run stopped at step 3 and resumed from step 2 an hour later: its summary counts the
+    two runs' own seconds, not the hour between them (issue 51)."""
+    import marin_rl_core.metrics as metrics
+    from marin_rl_core.cli.report import summarize
+    from marin_rl_core.metrics import MetricsHub
+
+    now = [1000.0]
+    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    hub = MetricsHub(str(tmp_path))
+    for step in (1, 2, 3):
+        now[0] += 10 / 3
+        hub.log({"reward": 0.1}, step=step, source="train")
+    now[0] += 3600.0
+    hub.resume_at(2)  # the resumed run starts here
+    for step in (3, 4):
+        now[0] += 2.5
+        hub.log({"reward": 0.2}, step=step, source="train")
+    hub.close()
+    summary = summarize(tmp_path)
+    assert summary["train_steps"] == 4
+    # The first run from its first row (step 1) to its last kept one (step 2: step 3 is
+    # trained again); the second from its start, 5 s. Not the hour between.
+    assert summary["seconds"] == pytest.approx(10 / 3 + 5)

@@ -94,6 +94,23 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
     return out
 
 
+def run_seconds(rows: list[dict[str, Any]]) -> float:
+    """The wall seconds the run's processes ran: from each run's first row to its last, the
+    runs split where a resumed run starts (its ``run`` row), so that the time between a run
+    and its resumption is not counted."""
+    total, first, last = 0.0, None, None
+    for row in rows:
+        at = row.get("time")
+        if not isinstance(at, int | float):
+            continue
+        if row.get("source") == "run" and first is not None:
+            total += last - first
+            first = None
+        first = at if first is None else first
+        last = at
+    return total + (last - first if first is not None else 0.0)
+
+
 def summarize(run_dir: str | Path) -> dict[str, Any]:
     """The numbers the summary table shows, as data."""
     rows, damaged = read_metrics_counted(run_dir)
@@ -108,7 +125,7 @@ def summarize(run_dir: str | Path) -> dict[str, Any]:
         last = train[-1]
         summary.update(
             train_steps=int(last["step"]),
-            seconds=float(last.get("time", 0.0) - rows[0].get("time", 0.0)),
+            seconds=run_seconds(rows),
             final_train_reward=last.get("reward"),
             final_entropy=last.get("entropy"),
         )

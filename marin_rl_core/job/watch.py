@@ -250,19 +250,20 @@ class Watch:
         except Exception:  # noqa: BLE001 - the count is for the message and the metric only
             return []
 
-    def _restarted(self, i: int, dead: int, pid: int, when: str = "") -> float:
-        """Count, log and record rollout worker ``i``'s restart; returns the backoff before
-        its work is handed back."""
+    def _restarted(self, i: int, dead: int, pid: int | None, when: str = "") -> float:
+        """Count, log and record rollout worker ``i``'s restart (``pid``: its new process,
+        ``None`` when training finished before it was back); returns the backoff before its
+        work is handed back."""
         self.restarts[i] += 1
         delay = self.faults.restart_backoff_s * 2 ** (self.restarts[i] - 1)
         logger.warning(
-            "rollout worker %d died%s (process %d); restart %d of %d (process %d)%s",
+            "rollout worker %d died%s (process %d); restart %d of %d (%s)%s",
             i,
             f" {when}" if when else "",
             dead,
             self.restarts[i],
             self.faults.worker_restarts,
-            pid,
+            f"process {pid}" if pid is not None else "not waited for: training had finished",
             "" if when else f", its work handed back in {delay:.1f} s",
         )
         self.hub.log.remote(
@@ -445,14 +446,37 @@ class Watch:
         deadline = time.monotonic() + self.faults.stop_timeout_s
         for i in range(len(self.rollouts)):
             ref = self.runs.get(i)
+            if ref is None and i in self.pid_refs:  # its run failed; its restart not seen yet
+                self._died_at_the_end(i, "its run failed")
+                out.append(self.counters[i])
+                continue
             try:
                 if ref is None:
                     raise ValueError("not running")
                 out.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.1)))
-            except Exception as exc:  # noqa: BLE001 - a dead or stuck worker at the end
+            except ray.exceptions.RayActorError as exc:  # died in the last steps
+                self._died_at_the_end(i, first_line(exc))
+                out.append(self.counters[i])
+            except Exception as exc:  # noqa: BLE001 - a stuck worker at the end
                 logger.warning("rollout worker %d did not stop cleanly: %s", i, first_line(exc))
                 out.append(self.counters[i])
         return out
+
+    def _died_at_the_end(self, i: int, why: str) -> None:
+        """Rollout worker ``i``'s process died while training finished, before the watch saw
+        it (its restart, if Ray made one, had no work left): counted and logged as any death."""
+        import ray
+
+        ref = self.pid_refs.pop(i, None) or self.rollouts[i].process.remote()
+        try:
+            pid: int | None = int(ray.get(ref, timeout=10))
+        except Exception:  # noqa: BLE001 - out of restarts, or still restarting
+            pid = None
+        previous = self.pids[i]
+        if previous is None or pid == previous:  # the same process: it did not die
+            logger.warning("rollout worker %d did not stop cleanly: %s", i, why)
+            return
+        self._restarted(i, previous, pid, "in the last steps")
 
     def final_eval(self, step: int) -> dict[str, Any]:
         """Worker 0's eval of the final weights; ``{}`` (with a warning) if it cannot: the

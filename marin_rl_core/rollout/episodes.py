@@ -423,11 +423,12 @@ class EpisodeRunner:
             task.add_done_callback(running.discard)
 
         single_turn = isinstance(env, SingleTurnEpisodes)
-        cohorts = 1 if getattr(env, "single_turn", False) else limits.generation_cohorts
+        one_step = getattr(env, "single_turn", False)  # here or in an env process
+        cohorts = 1 if one_step else limits.generation_cohorts
         largest = max(1, -(-len(lives) // cohorts))
-        if cohorts == 1:
-            # Turn 0: every episode's first action in one call, n per prompt, the batch's seed
-            # (a single-turn env's batch is sampled exactly as one generate call would).
+        if one_step:
+            # One call, n per prompt (their prefill shared), the batch's seed: a single-turn
+            # env's batch is sampled exactly as one generate call would.
             first = await generate(lives, prompts=list(prompts), n=n, seed=seed) if lives else []
             if single_turn:
                 # One step each, all scored in one call on the env thread: no task and no
@@ -442,7 +443,8 @@ class EpisodeRunner:
                     spawn(act(lives[i * n + k], first[i][k]))
         else:
             # Multi-turn: generate in cohorts, so that one cohort's env steps overlap the next
-            # one's generation; every action's key is the episode's own.
+            # one's generation; every action's key is the episode's own, so the tokens do not
+            # depend on the cohorts (nor on agents calling through the endpoint instead).
             ready.extend(lives)
 
         # Later turns: whoever waits for an action, batched, with per-episode keys.

@@ -290,13 +290,15 @@ class RolloutWorker:
             / (self.config.num_rollout_workers)
         )
 
-    def _count_generated(self, n: int, step: int) -> None:
-        """Count ``n`` training rollouts made with the weights of ``step`` (a batch's first:
-        later ones may have joined it, ``episodes.in_flight_weights``) for pacing: a weight
+    def _count_generated(self, n: int, step: int | None = None) -> None:
+        """Count ``n`` training rollouts made with the weights of ``step`` (default: the
+        current ones; a batch's first when later ones joined it, ``episodes.in_flight_weights``)
+        for pacing: a weight
         version counts only up to ``max_rollout_step_delay + 1`` steps' worth; the rest (made
         because the trainer was short of rollouts) is surplus, which the trainer may drop as
         stale without the worker owing it anything."""
         cap = (self.config.replay_buffer.max_rollout_step_delay + 1) * self._share
+        step = self.weight_step if step is None else step
         before = self._generated_at.get(step, 0)
         self._generated_at[step] = before + n
         counted = min(before + n, cap) - min(before, cap)
