@@ -216,7 +216,6 @@ def test_what_the_user_set_is_kept_on_a_pretrained_model(registry):
     assert checkpoint_defaults(tiny, {}, [], ("", 0)) is tiny
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("loss", "env", "storage"),
     [("ppo", "guess", "gcs"), ("grpo", "guess_agent", "memory")],
