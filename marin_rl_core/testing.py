@@ -436,7 +436,27 @@ def check_plugin(record: PluginRecord, *, timeout_s: float = CALL_TIMEOUT_S) -> 
         CHECKS[record.kind](record)
 
 
+_TINY_MODEL = {
+    "ArithmeticTokenizer": ("marin_rl_core.models.tokenizer", "ArithmeticTokenizer"),
+    "ModelConfig": ("marin_rl_core.config", "ModelConfig"),
+    "build_model": ("marin_rl_core.models.build", "build_model"),
+}
+"""What a plugin's tests build a tiny policy with (the default task's tokenizer, a model's shape,
+the model), imported on first use: ``build_model(ModelConfig(...), ArithmeticTokenizer(),
+key=...)``."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TINY_MODEL:
+        raise AttributeError(f"module 'marin_rl_core.testing' has no attribute {name!r}")
+    import importlib
+
+    module, attribute = _TINY_MODEL[name]
+    return getattr(importlib.import_module(module), attribute)
+
+
 __all__ = [
+    *_TINY_MODEL,
     "CALL_TIMEOUT_S",
     "CHAT_TEMPLATES",
     "as_transformers5_layout",

@@ -29,8 +29,14 @@ from typing import Any
 
 import attrs
 
-from marin_rl_core import ReceivedWeights, WeightTransferPlugin, hookimpl
-from marin_rl_core.weight_leaves import array_leaves, check_fits, describe
+from marin_rl_core import (
+    ReceivedWeights,
+    WeightTransferPlugin,
+    array_leaves,
+    check_fits,
+    describe_leaves,
+    hookimpl,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +150,7 @@ def _snapshot(
     description = {
         "format_version": WIRE_FORMAT_VERSION,
         "weight_step": weight_step,
-        "leaves": describe(arrays, paths),
+        "leaves": describe_leaves(arrays, paths),
         "changed_at": changed_at,
     }
     schema = pa.schema(

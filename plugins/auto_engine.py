@@ -21,7 +21,7 @@ class AutoEngineConfig:
 
 
 def build(config: AutoEngineConfig, spec: EngineSpec):  # type: ignore[no-untyped-def]
-    from marin_rl_core.rollout.samplers import auto_engine_name
+    from marin_rl_core import auto_engine_name
 
     if spec.build_engine is None:
         raise ValueError("the auto engine needs EngineSpec.build_engine to build the one it picks")

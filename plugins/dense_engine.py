@@ -16,7 +16,7 @@ class DenseEngineConfig:
 
 
 def build(config: DenseEngineConfig, spec: EngineSpec):  # type: ignore[no-untyped-def]
-    from marin_rl_core.rollout.dense_sampler import DenseSampler
+    from marin_rl_core import DenseSampler
 
     return DenseSampler(spec.model, **spec.engine_kwargs())
 

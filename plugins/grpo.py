@@ -22,9 +22,14 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, hookimpl, one_of
-from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, PolicyGradientLoss
-from marin_rl_core.protocols import LOSS_AGGREGATIONS
+from marin_rl_core import (
+    LOSS_AGGREGATIONS,
+    LossPlugin,
+    PolicyGradientConfig,
+    PolicyGradientLoss,
+    hookimpl,
+    one_of,
+)
 
 ADVANTAGE_NORMS = ("none", "group_mean", "group_mean_std")
 

@@ -42,8 +42,14 @@ from typing import Any
 
 import attrs
 
-from marin_rl_core import ReceivedWeights, WeightTransferPlugin, hookimpl
-from marin_rl_core.weight_leaves import array_leaves, check_fits, describe
+from marin_rl_core import (
+    ReceivedWeights,
+    WeightTransferPlugin,
+    array_leaves,
+    check_fits,
+    describe_leaves,
+    hookimpl,
+)
 
 logger = logging.getLogger(__name__)
 PROTOCOL_VERSION = 1
@@ -140,7 +146,7 @@ class JaxTransferServer:
                 raise ValueError(
                     f"weight_step must increase with each publish: got {step} after {self._step}"
                 )
-            self._step, self._arrays, self._leaves = step, arrays, describe(arrays, paths)
+            self._step, self._arrays, self._leaves = step, arrays, describe_leaves(arrays, paths)
             self.counters["publishes"] += 1
 
     def _latest(self) -> dict[str, Any]:

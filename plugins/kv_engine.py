@@ -26,7 +26,7 @@ class KVEngineConfig:
 
 
 def build(config: KVEngineConfig, spec: EngineSpec):  # type: ignore[no-untyped-def]
-    from marin_rl_core.rollout.kv_engine import KVCacheEngine
+    from marin_rl_core import KVCacheEngine
 
     return KVCacheEngine(
         spec.model,

@@ -166,7 +166,7 @@ class MemoryRolloutWriter:
         most once)."""
         import ray
 
-        from marin_rl_core.rollout_serialization import serialize_rollout_batch
+        from marin_rl_core import serialize_rollout_batch
 
         data = serialize_rollout_batch(batch)
         with self._lock:  # keeps this writer's batches in order if shared between threads
@@ -217,7 +217,7 @@ class MemoryRolloutReader:
     def read_batches(self, *, max_batches: int, timeout: float = 0.0) -> list[RolloutBatch]:
         import ray
 
-        from marin_rl_core.rollout_serialization import deserialize_rollout_batch
+        from marin_rl_core import deserialize_rollout_batch
 
         if max_batches < 1:
             return []

@@ -47,9 +47,16 @@ from typing import Any, TypeVar
 
 import attrs
 
-from marin_rl_core import MarinRLError, RolloutBatch, RunInfo, StoragePlugin, hookimpl, one_of
-from marin_rl_core.errors import ExitCode
-from marin_rl_core.rundir import absolute
+from marin_rl_core import (
+    ExitCode,
+    MarinRLError,
+    RolloutBatch,
+    RunInfo,
+    StoragePlugin,
+    absolute_run_dir,
+    hookimpl,
+    one_of,
+)
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -299,7 +306,7 @@ class ObjectRolloutWriter:
         unread, up to ``timeout`` seconds, then raise ``TimeoutError`` (not stored). Any other
         error leaves it unknown whether the batch was stored: write the same batch again (it
         is stored once)."""
-        from marin_rl_core.rollout_serialization import serialize_rollout_batch
+        from marin_rl_core import serialize_rollout_batch
 
         data = serialize_rollout_batch(batch)
         with self._lock:
@@ -345,7 +352,7 @@ class ObjectRolloutReader:
     def _next(self, name: str, cursors: dict[str, int], now: float) -> RolloutBatch | None:
         """The next batch of writer ``name`` from ``cursors`` (advanced past it, or past an
         object that cannot be decoded), or ``None`` when it has not arrived."""
-        from marin_rl_core.rollout_serialization import deserialize_rollout_batch
+        from marin_rl_core import deserialize_rollout_batch
 
         while True:
             seq = cursors[name]
@@ -501,7 +508,7 @@ def build_object_storage(config: ObjectStorageConfig, run: RunInfo) -> ObjectRol
         root = f"{config.url.rstrip('/')}/{run.run_id}"
     else:
         # Beside the run: on its bucket for a run directory on one (gs://...), else on disk.
-        root = str(absolute(run.run_dir) / "rollouts")
+        root = str(absolute_run_dir(run.run_dir) / "rollouts")
     return ObjectRolloutStorage(config, root)
 
 

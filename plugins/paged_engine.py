@@ -20,7 +20,7 @@ class PagedEngineConfig:
 
 
 def build(config: PagedEngineConfig, spec: EngineSpec):  # type: ignore[no-untyped-def]
-    from marin_rl_core.rollout.inference import SamplingEngine
+    from marin_rl_core import SamplingEngine
 
     return SamplingEngine(
         spec.model, **spec.engine_kwargs(), max_prefill_tokens=config.max_prefill_tokens

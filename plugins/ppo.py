@@ -45,8 +45,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, hookimpl, one_of
-from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, PolicyGradientLoss
+from marin_rl_core import LossPlugin, PolicyGradientConfig, PolicyGradientLoss, hookimpl, one_of
 
 
 @attrs.frozen(kw_only=True)
@@ -115,7 +114,7 @@ class PPOLoss(PolicyGradientLoss):
     def _values(self, model: Any, batch: Any, *, key: Any = None) -> tuple[Any, ...]:
         """The critic's values ``[batch, position]`` (and, for a value head, the policy's
         log-probabilities and entropies from the same forward pass; else ``None``)."""
-        from marin_rl_core.learner.training_batch import (
+        from marin_rl_core import (
             batch_hidden_states,
             batch_logprobs_and_entropy,
         )
@@ -127,7 +126,7 @@ class PPOLoss(PolicyGradientLoss):
         return critic.head(batch_hidden_states(critic.trunk, batch)), None, None
 
     def _advantages(self, batch: Any, values: Any) -> tuple[Any, Any]:
-        from marin_rl_core.learner.loss import gae
+        from marin_rl_core import gae
 
         segments = None if batch.segment_ids is None else batch.segment_ids.array
         return gae(
@@ -142,8 +141,7 @@ class PPOLoss(PolicyGradientLoss):
     def _create_prepare_fn(self, reference_model: Any, train_model: Any) -> Any:
         import jax
 
-        from marin_rl_core.learner.loss import as_named, whiten
-        from marin_rl_core.learner.training_batch import batch_hidden_states
+        from marin_rl_core import as_named, batch_hidden_states, whiten
 
         c = self.config
 
@@ -176,7 +174,7 @@ class PPOLoss(PolicyGradientLoss):
         import equinox as eqx
         import jax
 
-        from marin_rl_core.learner.loss import Critic, ValueHead
+        from marin_rl_core import Critic, ValueHead
 
         trunk = None
         if self.config.critic == "model":
@@ -188,9 +186,13 @@ class PPOLoss(PolicyGradientLoss):
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.learner.loss import TokenLoss, as_named, whiten
-        from marin_rl_core.learner.policy_gradient import policy_gradient_loss
-        from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
+        from marin_rl_core import (
+            TokenLoss,
+            as_named,
+            batch_logprobs_and_entropy,
+            policy_gradient_loss,
+            whiten,
+        )
 
         c = self.config
         if c.kl_coef > 0 and reference_model is None:

@@ -29,8 +29,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, hookimpl
-from marin_rl_core.learner.policy_gradient import PolicyGradientConfig, PolicyGradientLoss
+from marin_rl_core import LossPlugin, PolicyGradientConfig, PolicyGradientLoss, hookimpl
 
 
 @attrs.frozen(kw_only=True)

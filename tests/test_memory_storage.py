@@ -228,7 +228,7 @@ def test_a_failed_read_loses_nothing_and_the_next_read_gets_the_same_batches(
         raise OSError("the read failed half way")
 
     with monkeypatch.context() as patch:
-        patch.setattr("marin_rl_core.rollout_serialization.deserialize_rollout_batch", broken)
+        patch.setattr("marin_rl_core.deserialize_rollout_batch", broken)  # what plugins call
         with pytest.raises(OSError):
             reader.read_batches(max_batches=2, timeout=1)
     first = reader.read_batches(max_batches=2, timeout=1)

@@ -54,8 +54,7 @@ class ReinforceLoss:
         import jax
         import jax.numpy as jnp
 
-        from marin_rl_core.learner.loss import TokenLoss, as_named
-        from marin_rl_core.learner.training_batch import batch_logprobs_and_entropy
+        from marin_rl_core import TokenLoss, as_named, batch_logprobs_and_entropy
 
         max_weight, entropy_coef = self.config.max_weight, self.config.entropy_coef
 

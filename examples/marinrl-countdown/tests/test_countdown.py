@@ -13,8 +13,7 @@ import marinrl_countdown
 from marinrl_countdown import CountdownConfig, CountdownEnv, read_move
 
 from marin_rl_core import Action, Problem, Step
-from marin_rl_core.models.tokenizer import ArithmeticTokenizer
-from marin_rl_core.testing import check_plugin
+from marin_rl_core.testing import ArithmeticTokenizer, check_plugin
 
 RUN_CONFIG = Path(__file__).resolve().parents[1] / "countdown.toml"
 

@@ -20,14 +20,12 @@ def test_the_plugin_honours_the_loss_contract(plugin_registry):
 def test_the_loss_is_minus_the_weighted_advantage_times_logp_averaged_per_rollout():
     import jax
 
-    from marin_rl_core.config import ModelConfig
-    from marin_rl_core.learner.loss import step_loss
-    from marin_rl_core.learner.training_batch import (
+    from marin_rl_core import (
         batch_logprobs_and_entropy,
+        step_loss,
         training_batch_from_rollouts,
     )
-    from marin_rl_core.models.build import build_model
-    from marin_rl_core.models.tokenizer import ArithmeticTokenizer
+    from marin_rl_core.testing import ArithmeticTokenizer, ModelConfig, build_model
 
     rollouts = [
         Rollout.single_turn(env_name="e", lesson_id="l", problem_id="p", prompt_tokens=[1, 2],
