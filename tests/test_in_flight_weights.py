@@ -2,10 +2,14 @@
 worker with a real weight server takes the trainer's newer weights mid-batch; its rollouts
 record the weight steps they span (``weight_step`` the oldest, which the replay buffer counts
 staleness from). That each token's logprob is the one of the weights that sampled it is the
-engine's contract (``tests/test_inference.py``)."""
+engine's contract (``tests/test_inference.py``). The worker runs in a process of its own, as in
+a job: ``python tests/test_in_flight_weights.py in-flight`` runs one and prints what it saw."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -123,8 +127,9 @@ def _float(x) -> bool:
     return hasattr(x, "dtype") and np.issubdtype(x.dtype, np.floating)
 
 
-@pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "between-batches"])
-def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(in_flight):
+def _scenario(in_flight: bool) -> dict:
+    """One training batch of a rollout worker while a trainer publishes every 0.3 s: what it
+    logged and what its rollouts record (run in a process of its own, as a worker runs)."""
     worker, server, writer = _worker(in_flight)
     logged = []
     worker._log = lambda metrics, *, step, source: logged.append(metrics)
@@ -143,17 +148,38 @@ def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(in_flight):
         done.set()
         server.close()
         worker.manager.shutdown()
-    assert seconds > 4 * TURN_S
     (batch,) = writer.batches
-    metadata = [r.metadata for r in batch.rollouts]
     (row,) = [m for m in logged if "rollout/in_flight_swaps" in m]
-    spanning = [m for m in metadata if m.last_weight_step is not None]
+    return {
+        "seconds": seconds,
+        "swaps": row["rollout/in_flight_swaps"],
+        "frac_spanning": row["rollout/frac_spanning_weights"],
+        "steps": [[r.metadata.weight_step, r.metadata.last_weight_step] for r in batch.rollouts],
+        "worker_step": worker.weight_step,
+    }
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "between-batches"])
+def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(in_flight):
+    done = subprocess.run(
+        [sys.executable, __file__, "in-flight" if in_flight else "between-batches"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["seconds"] > 4 * TURN_S
+    steps = result["steps"]
+    spanning = [(first, last) for first, last in steps if last is not None]
     if not in_flight:
         # The batch's weights sampled all of it, however many steps were published meanwhile.
-        assert row["rollout/in_flight_swaps"] == 0 and not spanning
-        assert {m.weight_step for m in metadata} == {0}
+        assert result["swaps"] == 0 and not spanning
+        assert {first for first, _ in steps} == {0}
         return
-    assert row["rollout/in_flight_swaps"] >= 1
-    assert spanning and row["rollout/frac_spanning_weights"] == len(spanning) / len(metadata)
+    assert result["swaps"] >= 1
+    assert spanning and result["frac_spanning"] == len(spanning) / len(steps)
     # The batch began with step 0; episodes whose first action was sampled later begin later.
-    assert all(0 <= m.weight_step < m.last_weight_step <= worker.weight_step for m in spanning)
+    assert all(0 <= first < last <= result["worker_step"] for first, last in spanning)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_scenario(sys.argv[1] == "in-flight")))

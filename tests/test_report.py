@@ -105,12 +105,15 @@ def test_report_skips_and_counts_lines_that_are_json_but_not_rows(cli, tmp_path)
 def test_a_resumed_runs_seconds_leave_out_the_time_between_the_runs(tmp_path, monkeypatch):
     """A run stopped at step 3 and resumed from step 2 an hour later: its summary counts the
     two runs' own seconds, not the hour between them (issue 51)."""
+    import types
+
     import marin_rl_core.metrics as metrics
     from marin_rl_core.cli.report import summarize
     from marin_rl_core.metrics import MetricsHub
 
     now = [1000.0]
-    monkeypatch.setattr(metrics.time, "time", lambda: now[0])
+    # The hub's clock only (not time.time for the whole process).
+    monkeypatch.setattr(metrics, "time", types.SimpleNamespace(time=lambda: now[0]))
     hub = MetricsHub(str(tmp_path))
     for step in (1, 2, 3):
         now[0] += 10 / 3
