@@ -61,7 +61,7 @@ def main() -> None:
 
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.learner.loss import batch_options
+    from marin_rl_core.learner.loss import batch_options, loss_plan
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.build import initial_model
     from marin_rl_core.models.tokenizer import model_tokenizer
@@ -99,7 +99,7 @@ def main() -> None:
             tokenizer.pad_id,
             temperature=sampling.temperature,
             batch_size=size,
-            **batch_options(module),
+            **batch_options(loss_plan(module)),
         )
         step_figures = compare_steps(loss_config, registry, model, tb, repeats=args.repeats)
         print_step_figures(loss_config, step_figures)
@@ -229,7 +229,7 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     import jax.numpy as jnp
     from levanter.models.lm_model import LmExample, compute_next_token_loss
 
-    from marin_rl_core.learner.loss import with_loss_state
+    from marin_rl_core.learner.loss import loss_plan, with_loss_state
     from marin_rl_core.learner.step import Learner, plugin_loss_fn
     from marin_rl_core.models.logprobs import next_token_logprobs
 
@@ -304,7 +304,10 @@ def compare_steps(config, registry, model, tb, *, repeats: int, rounds: int = 3)
     loss_module = loss_module.build(reference)
     # A critic, when the loss has one, is trained with the policy.
     rl_model, state_lr = with_loss_state(
-        loss_module, model, key=jax.random.PRNGKey(2), learning_rate=config.trainer.learning_rate
+        loss_plan(loss_module),
+        model,
+        key=jax.random.PRNGKey(2),
+        learning_rate=config.trainer.learning_rate,
     )
     rl_learner.set_loss(
         plugin_loss_fn(loss_module), reference=reference, state_learning_rate=state_lr

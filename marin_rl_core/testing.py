@@ -71,18 +71,27 @@ def plugin_registry() -> Callable[..., Registry]:
     return make
 
 
-def check_config_class(record: PluginRecord) -> Any:
+def check_config_class(record: PluginRecord, config: Any = None) -> Any:
     """The config class instantiates with no arguments and survives unstructure/structure
-    through the strict run-config converter (so ``marinrl config show`` output reads back)."""
+    through the strict run-config converter (so ``marinrl config show`` output reads back);
+    so does ``config``, when given (an instance of the config class that a check then builds
+    the plugin with, instead of the defaults). Returns the config the checks use."""
     from marin_rl_core.config.converter import make_converter
 
     try:
-        config = record.config_class()
+        default = record.config_class()
     except TypeError as exc:
         raise AssertionError(
             f"{record.kind} {record.name!r}: every field of {record.config_class.__name__} needs "
             f"a default ({exc})"
         ) from exc
+    if config is None:
+        config = default
+    elif not isinstance(config, record.config_class):
+        raise AssertionError(
+            f"{record.kind} {record.name!r}: config must be a {record.config_class.__name__}, "
+            f"got {type(config).__name__}"
+        )
     converter = make_converter(build_registry(autoload=False))
     data = converter.unstructure(config)
     json.dumps(data)  # plain data only
@@ -128,16 +137,17 @@ def _within(timeout_s: float, what: str, fn: Callable[..., Any], *args: Any, **k
     return out.get("value")
 
 
-def check_env(record: EnvPlugin, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Contract of an env: problems per mode and seed, determinism, and grading: ``score``
-    returns a float or ``Score`` (single-turn), or ``reset`` returns an episode whose ``step``
-    returns a ``Step`` (multi-turn; stepped once with the reference answer). Every call into
-    the env must return within ``timeout_s``."""
+def check_env(record: EnvPlugin, config: Any = None, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
+    """Contract of an env (built with ``config``, default: its config class's defaults):
+    problems per mode and seed, determinism, and grading: ``score`` returns a float or
+    ``Score`` (single-turn), or ``reset`` returns an episode whose ``step`` returns a ``Step``
+    (multi-turn; stepped once with the reference answer). Every call into the env must return
+    within ``timeout_s``."""
     import asyncio
     import inspect
 
     name = f"env {record.name!r}"
-    env = _within(timeout_s, f"{name}: build()", record.build, check_config_class(record))
+    env = _within(timeout_s, f"{name}: build()", record.build, check_config_class(record, config))
     multi_turn = isinstance(env, protocols.MultiTurnEnv)
     agent = protocols.is_agent_env(env)  # its episodes need a policy: only problems are checked
     assert multi_turn or agent or isinstance(env, protocols.Env), (
@@ -245,13 +255,15 @@ def _tiny_group(rewards: list[float]) -> RolloutGroup:
     )
 
 
-def check_loss(record: LossPlugin) -> None:
-    """Contract of a loss: protocol, ``build``, one finite (or NaN: dropped) advantage per
-    rollout, a higher reward never a lower advantage and equal rewards equal advantages, a
-    valid ``aggregation``, and a loss function that runs on a tiny model and batch and gives a
-    finite loss and gradient (a :class:`~marin_rl_core.learner.loss.TokenLoss` of the batch's
-    shape, or the older ``(loss, metrics)``)."""
-    loss = record.build(check_config_class(record))
+def check_loss(record: LossPlugin, config: Any = None) -> None:
+    """Contract of a loss (built with ``config``, default: its config class's defaults):
+    protocol, ``build``, one finite (or NaN: dropped) advantage per rollout, a higher reward
+    never a lower advantage and equal rewards equal advantages, a valid
+    :class:`~marin_rl_core.protocols.LossPlan` (no members the plan replaced), and a loss
+    function that runs on a tiny model and batch and gives a finite loss and gradient (a
+    :class:`~marin_rl_core.learner.loss.TokenLoss` of the batch's shape), after the plan's
+    preparation when it has one."""
+    loss = record.build(check_config_class(record, config))
     assert isinstance(loss, protocols.RLLossModule), f"loss {record.name!r}: not an RLLossModule"
     assert isinstance(loss.needs_reference_model, bool)
     group = _tiny_group([0.0, 1.0, 1.0, 0.0])
@@ -261,9 +273,10 @@ def check_loss(record: LossPlugin) -> None:
     assert adv[1] == adv[2] and adv[0] == adv[3], "equal rewards of one prompt, equal advantages"
     flat = np.asarray(loss.compute_advantages(_tiny_group([1.0, 1.0])), dtype=np.float64)
     assert flat.shape == (2,) and (np.all(np.isnan(flat)) or flat[0] == flat[1])
-    how = getattr(loss, "aggregation", "token_mean")
-    name = how if isinstance(how, str) else how[0]
-    assert name in protocols.LOSS_AGGREGATIONS, f"aggregation {how!r}"
+    try:
+        protocols.loss_plan(loss)  # valid, and no member it replaced
+    except (TypeError, ValueError) as exc:
+        raise AssertionError(f"loss {record.name!r}: {exc}") from exc
     _check_loss_fn(record.name, loss, group, adv)
 
 
@@ -275,8 +288,8 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     from marin_rl_core.learner.loss import (
         TokenLoss,
         batch_options,
+        loss_plan,
         step_loss,
-        update_plan,
         with_loss_state,
     )
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
@@ -288,14 +301,13 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     model = build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
     reference = model if loss.needs_reference_model else None
     module = loss.build(reference)
+    plan = loss_plan(module)
     # What the trainer trains: the policy, with the loss's own state when it has some.
-    model, _ = with_loss_state(module, model, key=jax.random.PRNGKey(2), learning_rate=1e-3)
+    model, _ = with_loss_state(plan, model, key=jax.random.PRNGKey(2), learning_rate=1e-3)
     batch = training_batch_from_rollouts(
-        group.rollouts, advantages, config.max_seq_len, 0, **batch_options(module)
+        group.rollouts, advantages, config.max_seq_len, 0, **batch_options(plan)
     )
-    plan = update_plan(module)
-    assert plan.epochs >= 1 and plan.minibatches >= 1 and plan.frozen_policy_steps >= 0
-    create_prepare = getattr(module, "create_prepare_fn", None)
+    create_prepare = plan.create_prepare_fn
     if create_prepare is not None:  # what the trainer runs before a step's updates
         prepared = create_prepare(reference, model)(model, (batch,))
         assert len(prepared) == 1, f"loss {name!r}: prepare gives one dict per minibatch"
@@ -306,11 +318,14 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
             lambda b: b.prepared, batch, dict(prepared[0]), is_leaf=lambda x: x is None
         )
     out = module.create_loss_fn(reference, model)(model, batch, key=jax.random.PRNGKey(1))
-    if isinstance(out, TokenLoss):
-        shape = batch.loss_mask.array.shape
-        assert out.loss.array.shape == shape, f"loss {name!r}: per-token loss of shape {shape}"
-        for metric, value in out.metrics.items():
-            assert value.array.shape == shape, f"loss {name!r}: metric {metric!r} is not per token"
+    assert isinstance(out, TokenLoss), (
+        f"loss {name!r}: loss_fn returned a {type(out).__name__}, not a TokenLoss "
+        "(docs/losses.md, 'Migrating a loss')"
+    )
+    shape = batch.loss_mask.array.shape
+    assert out.loss.array.shape == shape, f"loss {name!r}: per-token loss of shape {shape}"
+    for metric, value in out.metrics.items():
+        assert value.array.shape == shape, f"loss {name!r}: metric {metric!r} is not per token"
 
     def value(m: Any) -> Any:
         loss_fn = module.create_loss_fn(reference, m)
@@ -323,26 +338,30 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     assert any(np.any(np.asarray(g) != 0) for g in leaves), f"loss {name!r}: zero gradient"
 
 
-def check_storage(record: StoragePlugin) -> None:
-    """Contract of a storage: protocol only (a round trip may need a running service)."""
+def check_storage(record: StoragePlugin, config: Any = None) -> None:
+    """Contract of a storage (built with ``config``, default: its config class's defaults):
+    protocol only (a round trip may need a running service)."""
     import tempfile
 
     from marin_rl_core.types import RunInfo
 
     with tempfile.TemporaryDirectory(prefix="marinrl-check-") as run_dir:
-        storage = record.build(check_config_class(record), RunInfo(run_id="check", run_dir=run_dir))
+        storage = record.build(
+            check_config_class(record, config), RunInfo(run_id="check", run_dir=run_dir)
+        )
         assert isinstance(storage, protocols.RolloutStorage), f"storage {record.name!r}"
 
 
-def check_weight_transfer(record: WeightTransferPlugin) -> None:
-    """Contract of a weight transfer: on loopback, a published version arrives bit for bit as
+def check_weight_transfer(record: WeightTransferPlugin, config: Any = None) -> None:
+    """Contract of a weight transfer (built with ``config``, default: its config class's
+    defaults): on loopback, a published version arrives bit for bit as
     a ``ReceivedWeights`` (within 30 s: publishing is served in the background), and nothing
     newer gives ``None``."""
     import jax.numpy as jnp
 
     from marin_rl_core.types import ReceivedWeights
 
-    transfer = record.build(check_config_class(record))
+    transfer = record.build(check_config_class(record, config))
     assert isinstance(transfer, protocols.WeightTransfer), f"weight_transfer {record.name!r}"
     server = transfer.server()
     try:
@@ -359,16 +378,17 @@ def check_weight_transfer(record: WeightTransferPlugin) -> None:
         server.close()
 
 
-def check_curriculum(record: CurriculumPlugin) -> None:
-    """Contract of a curriculum: samples only unlocked lessons, unlocks on eval, state
-    round-trips through JSON."""
+def check_curriculum(record: CurriculumPlugin, config: Any = None) -> None:
+    """Contract of a curriculum (built with ``config``, default: its config class's defaults):
+    samples only unlocked lessons, unlocks on eval, state round-trips through JSON."""
     lessons = [
         LessonConfig(id="easy", stop_threshold=0.9),
         LessonConfig(
             id="hard", dependencies=[LessonDependency(lesson="easy", reward_threshold=0.5)]
         ),
     ]
-    policy = record.build(check_config_class(record), lessons)
+    config = check_config_class(record, config)
+    policy = record.build(config, lessons)
     assert isinstance(policy, protocols.CurriculumPolicy), f"curriculum {record.name!r}"
     assert {policy.sample_lesson(seed=s) for s in range(20)} == {"easy"}
     assert policy.lesson_states()["hard"] == "locked"
@@ -377,7 +397,7 @@ def check_curriculum(record: CurriculumPlugin) -> None:
     assert policy.lesson_states()["hard"] == "active"
     assert "hard" in {policy.sample_lesson(seed=s) for s in range(50)}
     state = json.loads(json.dumps(policy.state_dict()))
-    fresh = record.build(record.config_class(), lessons)
+    fresh = record.build(config, lessons)
     fresh.load_state_dict(state)
     assert fresh.lesson_states() == policy.lesson_states()
 
@@ -417,7 +437,7 @@ def serve_on_loopback(argv: list[str], port: int, *, timeout_s: float = 60.0) ->
     return None
 
 
-CHECKS: dict[str, Callable[[Any], None]] = {
+CHECKS: dict[str, Callable[..., None]] = {
     "env": check_env,
     "loss": check_loss,
     "storage": check_storage,
@@ -427,13 +447,17 @@ CHECKS: dict[str, Callable[[Any], None]] = {
 }
 
 
-def check_plugin(record: PluginRecord, *, timeout_s: float = CALL_TIMEOUT_S) -> None:
-    """Run the contract checks for ``record``'s kind; an env call that takes longer than
-    ``timeout_s`` fails the check instead of hanging it."""
+def check_plugin(
+    record: PluginRecord, config: Any = None, *, timeout_s: float = CALL_TIMEOUT_S
+) -> None:
+    """Run the contract checks for ``record``'s kind, on the plugin built with ``config`` (an
+    instance of its config class; default: the class's defaults, so call it again with each
+    setting that changes what the plugin does: ``check_plugin(record, MyConfig(critic="model"))``).
+    An env call that takes longer than ``timeout_s`` fails the check instead of hanging it."""
     if record.kind == "env":
-        check_env(record, timeout_s=timeout_s)
+        check_env(record, config, timeout_s=timeout_s)
     else:
-        CHECKS[record.kind](record)
+        CHECKS[record.kind](record, config)
 
 
 _TINY_MODEL = {

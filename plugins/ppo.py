@@ -1,7 +1,8 @@
 """The ``ppo`` loss: PPO with a learned critic and GAE.
 
-The critic is trainable loss state (``init_state``): trained with the policy at its own
-learning rate, sharded and checkpointed with it, never published to rollout workers or exported.
+The critic is trainable loss state (the plan's ``init_state``;
+:mod:`marin_rl_plugins.ppo_critic`): trained with the policy at its own learning rate, sharded
+and checkpointed with it, never published to rollout workers or exported.
 
 * ``critic = "head"``: a linear value head on the policy's final hidden states. Cheap (one
   ``[embed]`` vector; the trunk's forward pass is shared) but the value loss's gradient flows
@@ -45,7 +46,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, PolicyGradientConfig, PolicyGradientLoss, hookimpl, one_of
+from marin_rl_core import (
+    LossPlan,
+    LossPlugin,
+    PolicyGradientConfig,
+    PolicyGradientLoss,
+    hookimpl,
+    one_of,
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -84,32 +92,23 @@ class PPOConfig(PolicyGradientConfig):
 class PPOLoss(PolicyGradientLoss):
     """Implements :class:`marin_rl_core.RLLossModule`; see the module docstring."""
 
-    needs_token_rewards = True
-
     @property
-    def state_learning_rate(self) -> float | None:
-        return self.config.critic_learning_rate or None
-
-    @property
-    def update_epochs(self) -> int:
-        return self.config.epochs
-
-    @property
-    def update_minibatches(self) -> int:
-        return self.config.minibatches
-
-    @property
-    def frozen_policy_steps(self) -> int:
-        return self.config.value_pretrain_steps
-
-    @property
-    def create_prepare_fn(self) -> Any:
-        """``V_old``, GAE and whitening once per step when the step makes several updates or
-        whitens (module docstring); ``None`` otherwise (no preparation pass)."""
+    def plan(self) -> LossPlan:
+        """Per-token rewards; the critic as trainable state at its own learning rate; epochs of
+        minibatches after ``value_pretrain_steps``; ``V_old``, GAE and whitening prepared once
+        per step when the step makes several updates or whitens (module docstring)."""
         c = self.config
-        if c.epochs * c.minibatches == 1 and not c.normalize_advantages:
-            return None
-        return self._create_prepare_fn
+        prepare = c.epochs * c.minibatches > 1 or c.normalize_advantages
+        return LossPlan(
+            aggregation=(c.aggregation, c.aggregation_length),
+            token_rewards=True,
+            epochs=c.epochs,
+            minibatches=c.minibatches,
+            frozen_policy_steps=c.value_pretrain_steps,
+            init_state=self.init_critic,
+            state_learning_rate=c.critic_learning_rate or None,
+            create_prepare_fn=self.create_prepare if prepare else None,
+        )
 
     def _values(self, model: Any, batch: Any, *, key: Any = None) -> tuple[Any, ...]:
         """The critic's values ``[batch, position]`` (and, for a value head, the policy's
@@ -126,7 +125,7 @@ class PPOLoss(PolicyGradientLoss):
         return critic.head(batch_hidden_states(critic.trunk, batch)), None, None
 
     def _advantages(self, batch: Any, values: Any) -> tuple[Any, Any]:
-        from marin_rl_core import gae
+        from marin_rl_plugins.ppo_critic import gae
 
         segments = None if batch.segment_ids is None else batch.segment_ids.array
         return gae(
@@ -138,7 +137,9 @@ class PPOLoss(PolicyGradientLoss):
             lam=self.config.lam,
         )
 
-    def _create_prepare_fn(self, reference_model: Any, train_model: Any) -> Any:
+    def create_prepare(self, reference_model: Any, train_model: Any) -> Any:
+        """The plan's ``create_prepare_fn``: ``V_old``, GAE's ``A`` and ``R`` and the whitening
+        on all of a step's minibatches, before its updates."""
         import jax
 
         from marin_rl_core import as_named, batch_hidden_states, whiten
@@ -170,11 +171,12 @@ class PPOLoss(PolicyGradientLoss):
     def group_advantages(self, rewards: np.ndarray) -> np.ndarray:
         return rewards - rewards.mean()  # the replay buffer's preference only (docstring)
 
-    def init_state(self, policy: Any, *, key: Any) -> Any:
+    def init_critic(self, policy: Any, *, key: Any) -> Any:
+        """The plan's ``init_state``: a value head on the policy's hidden states, or on a copy of
+        the policy's own (``critic = "model"``)."""
         import equinox as eqx
         import jax
-
-        from marin_rl_core import Critic, ValueHead
+        from marin_rl_plugins.ppo_critic import Critic, ValueHead
 
         trunk = None
         if self.config.critic == "model":

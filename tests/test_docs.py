@@ -46,13 +46,17 @@ def _protocol_members() -> list[tuple[str, str]]:
         names += re.findall(r"^\s*\* ``(\w+)", optional, flags=re.MULTILINE)
         names += re.findall(r"^\s*\* ``\w+``, ``(\w+)``", optional, flags=re.MULTILINE)
         found += [(node.name, n) for n in names if not n.startswith("_")]
+    import dataclasses
+
+    found += [("LossPlan", f.name) for f in dataclasses.fields(protocols.LossPlan)]
     return found
 
 
 @pytest.mark.parametrize(("protocol", "member"), _protocol_members())
 def test_every_protocol_member_and_optional_member_is_in_hooks_md(protocol, member):
     """hooks.md is where plugin authors look (issue 50): each method, attribute and optional
-    member of the contracts is there by name, ``create_prepare_fn`` with its signature."""
+    member of the contracts, and each field of a loss's plan, is there by name,
+    ``create_prepare_fn`` with its signature."""
     hooks = read("hooks.md")
     assert f"`{member}" in hooks, f"docs/hooks.md does not mention {protocol}.{member}"
     if member == "create_prepare_fn":

@@ -226,7 +226,7 @@ def step_loss_and_grad_norm(loss_name: str, *, micro: int, pack: bool, legacy: b
     advantages = np.linspace(-1.0, 1.0, 8)
     batch = training_batch_from_rollouts(
         rs, advantages, 16, tok.pad_id, batch_size=8, pack=pack, row_multiple=micro,
-        aggregation=module.aggregation,
+        aggregation=module.plan.aggregation,
     )  # fmt: skip
     _, loss, metrics = learner.step(state, batch)
     return loss, metrics["grad_norm"], metrics
@@ -316,7 +316,7 @@ def gae_loop(rewards, values, mask, seq, gamma, lam):
 @pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
 @pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.9, 0.0)])
 def test_gae_matches_a_loop_over_each_rollouts_actions(gamma, lam, packed):
-    from marin_rl_core.learner.loss import gae
+    from marin_rl_plugins.ppo_critic import gae
 
     rs = rollouts(6, seed=7)
     batch = training_batch_from_rollouts(rs, np.zeros(6), 24, 0, batch_size=6, pack=packed)
@@ -373,12 +373,12 @@ def test_ppo_is_the_objective_on_gae_advantages_plus_the_value_loss(critic, pack
     config = PPOConfig(kl_coef=0.0, gamma=0.9, lam=0.8, vf_coef=0.5, critic=critic)
     loss = PPOLoss(config)
     policy = tiny_policy()
-    state = loss.init_state(policy, key=jax.random.PRNGKey(1))
+    state = loss.plan.init_state(policy, key=jax.random.PRNGKey(1))
     # A critic that is not all zeros, so values, GAE and the value loss all matter.
     head = eqx.tree_at(lambda h: (h.weight, h.bias), state.head,
                        (state.head.weight + 0.3, state.head.bias + 0.2))  # fmt: skip
     model = TrainedModel(policy=policy, loss_state=eqx.tree_at(lambda s: s.head, state, head))
-    batch = rewarded_batch(packed, loss.aggregation)
+    batch = rewarded_batch(packed, loss.plan.aggregation)
     got, metrics = step_loss(loss.create_loss_fn(None, model), model, batch)
 
     logp, ent, hidden = batch_logprobs_and_entropy(policy, batch, with_hidden=True)
@@ -433,13 +433,13 @@ def test_ppo_with_several_updates_prepares_old_values_and_whitens_over_the_whole
                        epochs=2, minibatches=2, normalize_advantages=True)  # fmt: skip
     loss = PPOLoss(config)
     policy = tiny_policy()
-    model = TrainedModel(policy=policy, loss_state=loss.init_state(policy, key=None))
+    model = TrainedModel(policy=policy, loss_state=loss.plan.init_state(policy, key=None))
     model = moved_critic(model, 0.3)
     batches = (
-        rewarded_batch(False, loss.aggregation),
-        rewarded_batch(True, loss.aggregation, seed=4),
+        rewarded_batch(False, loss.plan.aggregation),
+        rewarded_batch(True, loss.plan.aggregation, seed=4),
     )
-    prepared = loss.create_prepare_fn(None, model)(model, batches)
+    prepared = loss.plan.create_prepare_fn(None, model)(model, batches)
 
     found = []
     for batch in batches:
@@ -566,13 +566,13 @@ def test_a_ppo_checkpoint_restores_the_critic_and_its_optimizer_state_exactly(tm
     policy = initial_model(config, tok)
     module = registry.get("loss", "ppo").build(config.loss.config)
     model = TrainedModel(
-        policy=policy, loss_state=module.init_state(policy, key=jax.random.PRNGKey(1))
+        policy=policy, loss_state=module.plan.init_state(policy, key=jax.random.PRNGKey(1))
     )
     learner = Learner(config.trainer)
-    learner.set_loss(plugin_loss_fn(module), state_learning_rate=module.state_learning_rate)
+    learner.set_loss(plugin_loss_fn(module), state_learning_rate=module.plan.state_learning_rate)
     state = learner.init_state(model, key=jax.random.PRNGKey(0))
     for _ in range(3):
-        state, loss, _ = learner.step(state, rewarded_batch(False, module.aggregation))
+        state, loss, _ = learner.step(state, rewarded_batch(False, module.plan.aggregation))
     head = state.model.loss_state.head
     assert np.abs(np.asarray(head.weight.array)).sum() > 0, "the critic did not train"
     save_checkpoint(tmp_path, 3, trainer_state=state, state={})

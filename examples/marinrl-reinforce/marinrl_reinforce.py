@@ -6,7 +6,7 @@ Advantages: each rollout's reward minus its group's mean. Loss, per response tok
     l_t = -w_t * A * logp_t  -  entropy_coef * H_t
 
 returned per token as a :class:`~marin_rl_core.learner.loss.TokenLoss`; the framework weighs the
-tokens by ``aggregation`` over the whole step (each rollout's tokens averaged, then the
+tokens by its plan's ``aggregation`` over the whole step (each rollout's tokens averaged, then the
 rollouts: ``"sequence_mean"`` here), whatever the micro-batching. Try it::
 
     pip install ./examples/marinrl-reinforce
@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core import LossPlugin, RolloutGroup, hookimpl
+from marin_rl_core import LossPlan, LossPlugin, RolloutGroup, hookimpl
 
 
 @attrs.frozen(kw_only=True)
@@ -37,7 +37,9 @@ class ReinforceConfig:
 class ReinforceLoss:
     """A :class:`marin_rl_core.RLLossModule`."""
 
-    aggregation = "sequence_mean"  # how the framework weighs the per-token losses
+    # What the loss asks of the trainer beyond the required members: here only how the
+    # framework weighs the per-token losses (one update per step, no state of its own).
+    plan = LossPlan(aggregation="sequence_mean")
     needs_reference_model = False  # no KL term: the trainer keeps no reference copy
 
     def __init__(self, config: ReinforceConfig):

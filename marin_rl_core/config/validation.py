@@ -97,7 +97,7 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
             f"({config.trainer.batch_size}); pick a divisor such as "
             f"{max(d for d in range(1, micro + 1) if config.trainer.batch_size % d == 0)}"
         )
-    errors.extend(_update_plan_errors(config, registry))
+    errors.extend(_loss_plan_errors(config, registry))
     if "tensorboard" in config.logging.tracker and importlib.util.find_spec("tensorboardX") is None:
         errors.append(
             '$.logging.tracker: "tensorboard" needs the tensorboardX package, which is not '
@@ -122,16 +122,20 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
         raise ConfigError("invalid config:\n" + "\n".join(f"  {e}" for e in dict.fromkeys(errors)))
 
 
-def _update_plan_errors(config: RLJobConfig, registry: Registry) -> list[str]:
-    """What is wrong with the loss's updates per step (its epochs, minibatches and frozen policy
-    steps: :class:`~marin_rl_core.protocols.UpdatePlan`) for this trainer."""
-    from marin_rl_core.protocols import update_plan
+def _loss_plan_errors(config: RLJobConfig, registry: Registry) -> list[str]:
+    """What is wrong with the loss's plan (:class:`~marin_rl_core.protocols.LossPlan`: one it
+    cannot give, or epochs, minibatches and frozen policy steps that do not fit this trainer)."""
+    from marin_rl_core.protocols import loss_plan
 
     try:
         module = registry.get("loss", config.loss.name).build(config.loss.config)
     except Exception:  # noqa: BLE001 - a loss that cannot be built says so when the run builds it
         return []
-    plan, t, errors = update_plan(module), config.trainer, []
+    try:
+        plan = loss_plan(module)
+    except (TypeError, ValueError) as e:
+        return [f"$.loss: the {config.loss.name!r} loss plugin's plan: {e}"]
+    t, errors = config.trainer, []
     if t.batch_size % plan.minibatches:
         errors.append(
             f"$.loss.minibatches: {plan.minibatches} minibatches cannot split $.trainer.batch_size "

@@ -276,10 +276,10 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
 
 
 def restore_policy_only(
-    learner: Any, loss: Any, config: Any, path: Path, like: Any
+    learner: Any, plan: Any, config: Any, path: Path, like: Any
 ) -> tuple[Any, str]:
     """The trainer state from checkpoint ``path`` written by a loss with trainable state when
-    this run's ``loss`` has none, or the other way round (a run switched from ``rloo`` to
+    this run's loss (its :class:`~marin_rl_core.protocols.LossPlan`, ``plan``) has none, or the other way round (a run switched from ``rloo`` to
     ``ppo``): the policy and the step resume; the loss's state starts fresh (a new critic) or is
     left behind, and so does the optimizer's state, whose structure differs (its counters go on
     from the checkpoint's step, so the learning-rate schedule continues). Returns the state and
@@ -293,7 +293,7 @@ def restore_policy_only(
     )
     step = learner.restore(path, like.step, subpath="step")
     model, _ = with_loss_state(
-        loss, policy, key=jax.random.PRNGKey(config.seed + 2),
+        plan, policy, key=jax.random.PRNGKey(config.seed + 2),
         learning_rate=config.trainer.learning_rate,
     )  # fmt: skip
     fresh = learner.init_state(model, key=jax.random.PRNGKey(config.seed + 1))

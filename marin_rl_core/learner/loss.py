@@ -17,8 +17,8 @@ depend on how the batch is cut into micro-batches, packed into rows, or split ov
 devices (``tests/test_losses.py`` cuts one batch four ways). Per-token metrics are reported as
 token means over the step (``TrainingBatch.token_weight``).
 
-A loss function may still return ``(scalar_loss, metrics)`` (the contract before issue 26): the
-framework then uses it as given, normalised per micro-batch.
+A loss function returning ``(scalar_loss, metrics)`` (the contract before issue 26) is refused
+with the way to migrate (:func:`checked_token_loss`; docs/losses.md).
 
 Everything else here works on plain ``jax.numpy`` arrays ``[batch, position]`` aligned as
 :mod:`~marin_rl_core.learner.training_batch` lays them out; ``tests/test_losses.py`` checks each
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from haliax import NamedArray
 
 from marin_rl_core.protocols import LOSS_AGGREGATIONS as AGGREGATIONS
-from marin_rl_core.protocols import UpdatePlan, update_plan  # noqa: F401 - re-exported
+from marin_rl_core.protocols import LossPlan, loss_plan  # noqa: F401 - re-exported
 
 
 class TokenLoss(eqx.Module):
@@ -67,54 +67,39 @@ class TrainedModel(eqx.Module):
     loss_state: Any
 
 
-class ValueHead(eqx.Module):
-    """A linear value head: ``V = hidden . weight + bias`` in float32, ``[..., position]`` from
-    hidden states ``[..., position, embed]``. Starts at zero (every value 0)."""
-
-    weight: NamedArray
-    bias: jax.Array
-
-    @staticmethod
-    def init(embed: hax.Axis) -> ValueHead:
-        return ValueHead(
-            weight=hax.zeros(embed, dtype=jnp.float32), bias=jnp.zeros((), jnp.float32)
-        )
-
-    def __call__(self, hidden: NamedArray) -> jax.Array:
-        h = hidden.astype(jnp.float32)
-        return hax.dot(h, self.weight, axis=self.weight.axes[0]).array + self.bias
-
-
-class Critic(eqx.Module):
-    """A value function as trainable loss state: ``head`` on the policy's own hidden states
-    (``trunk`` None), or on a separate ``trunk`` model's."""
-
-    trunk: Any
-    head: ValueHead
-
-
 def with_loss_state(
-    module: Any, policy: Any, *, key: jax.Array, learning_rate: float
+    plan: LossPlan, policy: Any, *, key: jax.Array, learning_rate: float
 ) -> tuple[Any, float | None]:
-    """What the trainer trains for loss ``module``: ``(policy, None)``, or, when the module's
-    optional ``init_state`` gives trainable state, ``(TrainedModel(policy, state), the state's
-    learning rate)`` (the module's ``state_learning_rate``, else ``learning_rate``)."""
-    init = getattr(module, "init_state", None)
-    state = init(policy, key=key) if callable(init) else None
+    """What the trainer trains for a loss with ``plan``: ``(policy, None)``, or, when the plan's
+    ``init_state`` gives trainable state, ``(TrainedModel(policy, state), the state's learning
+    rate)`` (the plan's ``state_learning_rate``, else ``learning_rate``)."""
+    state = plan.init_state(policy, key=key) if plan.init_state is not None else None
     if state is None:
         return policy, None
-    rate = getattr(module, "state_learning_rate", None)
-    return TrainedModel(policy=policy, loss_state=state), float(rate or learning_rate)
+    return TrainedModel(policy=policy, loss_state=state), float(
+        plan.state_learning_rate or learning_rate
+    )
 
 
-def batch_options(module: Any) -> dict[str, Any]:
+def batch_options(plan: LossPlan) -> dict[str, Any]:
     """The arguments of
-    :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts` that loss
-    ``module`` decides (its optional ``aggregation`` and ``needs_token_rewards``)."""
-    return {
-        "aggregation": getattr(module, "aggregation", "token_mean"),
-        "token_rewards": bool(getattr(module, "needs_token_rewards", False)),
-    }
+    :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts` that a loss's
+    ``plan`` decides (its ``aggregation`` and ``token_rewards``)."""
+    return {"aggregation": plan.aggregation, "token_rewards": plan.token_rewards}
+
+
+def checked_token_loss(out: Any) -> TokenLoss:
+    """``out``, what a loss plugin's ``loss_fn`` returned, when it is a :class:`TokenLoss`;
+    else a ``TypeError`` saying how to migrate (raised while the step is traced)."""
+    if isinstance(out, TokenLoss):
+        return out
+    raise TypeError(
+        f"a loss function returned a {type(out).__name__}, not a marin_rl_core.TokenLoss. "
+        "Since issue 26 a loss returns per-token values, which the framework weighs over the "
+        "whole step: return TokenLoss(loss=<the [batch, position] values you summed or "
+        "averaged>, metrics={...per-token...}) and, if you averaged per sequence, declare "
+        'plan = LossPlan(aggregation="sequence_mean"); see docs/losses.md, "Migrating a loss"'
+    )
 
 
 def policy_of(model: Any) -> Any:
@@ -147,12 +132,10 @@ def step_loss(
     loss_fn: Any, model: Any, batch: Any, *, key: Any = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """``loss_fn``'s loss and metrics on ``batch`` taken as one whole step (no micro-batches),
-    as the trainer weighs them: for tests, benchmarks and notebooks. Works with a
-    :class:`TokenLoss` and with the older ``(loss, metrics)``."""
+    as the trainer weighs them: for tests, benchmarks and notebooks."""
     from levanter.metrics import Metric
 
-    out = loss_fn(model, batch, key=key)
-    loss, metrics = aggregate(out, batch) if isinstance(out, TokenLoss) else out
+    loss, metrics = aggregate(checked_token_loss(loss_fn(model, batch, key=key)), batch)
     return loss, {k: v.value() if isinstance(v, Metric) else v for k, v in metrics.items()}
 
 
@@ -241,58 +224,6 @@ def reward_to_go(values: jax.Array, mask: jax.Array, segment_ids: jax.Array | No
     return jax.vmap(per_row)(suffix, ids)
 
 
-def gae(
-    rewards: jax.Array,
-    values: jax.Array,
-    mask: jax.Array,
-    segment_ids: jax.Array | None,
-    *,
-    gamma: float,
-    lam: float,
-) -> tuple[jax.Array, jax.Array]:
-    """Generalised advantage estimation over each rollout's actions: ``(advantages, returns)``,
-    ``[batch, position]``, 0 outside the mask.
-
-    The time steps are the masked positions (the tokens the policy sampled) of one rollout, in
-    order; positions between them (a multi-turn rollout's observations) are skipped, and each
-    rollout ends with a value of 0 after its last action. For consecutive actions ``t`` and
-    ``t'``::
-
-        delta_t = r_t + gamma * V_t' - V_t
-        A_t     = delta_t + gamma * lam * A_t'
-        R_t     = A_t + V_t
-
-    ``rewards`` are per action (``TrainingBatch.token_rewards``); ``values`` are the critic's,
-    taken as constants (stop-gradient)."""
-    values = jax.lax.stop_gradient(values)
-    width = values.shape[-1]
-    segments = jnp.zeros(values.shape, jnp.int32) if segment_ids is None else segment_ids
-
-    def step(carry: tuple[jax.Array, ...], xs: tuple[jax.Array, ...]) -> Any:
-        next_value, next_advantage, next_segment = carry
-        r, v, m, seg = xs
-        same = seg == next_segment  # a new rollout starts after this position: no bootstrap
-        next_value = jnp.where(same, next_value, 0.0)
-        next_advantage = jnp.where(same, next_advantage, 0.0)
-        delta = r + gamma * next_value - v
-        advantage = delta + gamma * lam * next_advantage
-        acting = m > 0
-        carry = (
-            jnp.where(acting, v, next_value),
-            jnp.where(acting, advantage, next_advantage),
-            seg,
-        )
-        return carry, jnp.where(acting, advantage, 0.0)
-
-    rows = values.shape[:-1]
-    init = (jnp.zeros(rows), jnp.zeros(rows), jnp.full(rows, -2, jnp.int32))
-    xs = tuple(jnp.moveaxis(x, -1, 0) for x in (rewards, values, mask, segments))
-    _, advantages = jax.lax.scan(step, init, xs, reverse=True, length=width)
-    advantages = jnp.moveaxis(advantages, 0, -1)
-    returns = jnp.where(mask > 0, advantages + values, 0.0)
-    return advantages, returns
-
-
 def as_named(values: jax.Array, like: NamedArray) -> NamedArray:
     """``values`` with the axes of ``like`` (a field of the batch)."""
     return hax.named(values, like.axes)
@@ -337,13 +268,13 @@ __all__ = [
     "AGGREGATIONS",
     "TokenLoss",
     "TrainedModel",
-    "ValueHead",
-    "Critic",
     "aggregate",
     "as_named",
     "batch_options",
-    "gae",
+    "checked_token_loss",
     "kl_penalty",
+    "LossPlan",
+    "loss_plan",
     "masked_max",
     "masked_min",
     "non_finite_advice",

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from marin_rl_core.errors import one_of
-from marin_rl_core.protocols import LOSS_AGGREGATIONS
+from marin_rl_core.protocols import LOSS_AGGREGATIONS, LossPlan
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 """The per-token KL estimators (:func:`marin_rl_core.learner.loss.kl_penalty`)."""
@@ -139,8 +139,10 @@ class PolicyGradientLoss:
         return self.objective.kl_coef > 0
 
     @property
-    def aggregation(self) -> tuple[str, int]:
-        return self.objective.aggregation, self.objective.aggregation_length
+    def plan(self) -> LossPlan:
+        """The :class:`~marin_rl_core.protocols.LossPlan`: the config's aggregation, one update
+        per step."""
+        return LossPlan(aggregation=(self.objective.aggregation, self.objective.aggregation_length))
 
     def build(self, reference_model: Any) -> PolicyGradientLoss:
         return self

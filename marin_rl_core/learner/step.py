@@ -143,18 +143,20 @@ def plugin_loss_fn(module: Any) -> Callable[..., Any]:
     has some). :meth:`Learner.set_loss` weighs a returned
     :class:`~marin_rl_core.learner.loss.TokenLoss` into the step's loss."""
 
+    from marin_rl_core.learner.loss import checked_token_loss
+
     def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
-        return module.create_loss_fn(reference, model)(model, batch, key=key)
+        return checked_token_loss(module.create_loss_fn(reference, model)(model, batch, key=key))
 
     return loss_fn
 
 
-def plugin_prepare_fn(module: Any) -> Callable[..., Any] | None:
-    """A loss plugin's optional preparation (``create_prepare_fn``; absent or ``None``: none),
-    made inside the traced function from the reference model it receives, as
-    :func:`plugin_loss_fn`: ``fn(model, batches, *, reference=None)`` returning one dict of
-    per-token arrays per minibatch (:meth:`Learner.prepare`)."""
-    create = getattr(module, "create_prepare_fn", None)
+def plugin_prepare_fn(plan: Any) -> Callable[..., Any] | None:
+    """A loss's whole-step preparation (its :class:`~marin_rl_core.protocols.LossPlan`'s
+    ``create_prepare_fn``; ``None``: none), made inside the traced function from the reference
+    model it receives, as :func:`plugin_loss_fn`: ``fn(model, batches, *, reference=None)``
+    returning one dict of per-token arrays per minibatch (:meth:`Learner.prepare`)."""
+    create = plan.create_prepare_fn
     if create is None:
         return None
 
@@ -306,9 +308,9 @@ class Learner:
         self.trainer: Any = None
         self._frozen: dict[str, Any] = {}
         self._prepare: Any = None
-        from marin_rl_core.protocols import UpdatePlan
+        from marin_rl_core.protocols import LossPlan
 
-        self.plan = UpdatePlan()
+        self.plan = LossPlan()
 
     def set_loss(
         self,
@@ -319,7 +321,10 @@ class Learner:
         prepare_fn: Callable[..., Any] | None = None,
         plan: Any = None,
     ) -> None:
-        """Train ``loss_fn(model, batch, *, key) -> (loss, metrics)`` from now on.
+        """Train ``loss_fn(model, batch, *, key)`` from now on: it returns a
+        :class:`~marin_rl_core.learner.loss.TokenLoss`, or ``(loss, metrics)`` taken as given
+        (the learner's own API, for benchmarks' plain losses; a loss plugin's function comes
+        through :func:`plugin_loss_fn`, which takes a ``TokenLoss`` only).
 
         With a ``reference`` (a frozen model placed by :meth:`shard`), every step calls
         ``loss_fn(model, batch, *, key, reference=reference)``: the reference enters the compiled
@@ -333,17 +338,21 @@ class Learner:
 
         ``prepare_fn``: the loss's preparation (:func:`plugin_prepare_fn`), run by
         :meth:`prepare`. ``plan``: the loss's
-        :class:`~marin_rl_core.protocols.UpdatePlan` (updates per trainer step and frozen
+        :class:`~marin_rl_core.protocols.LossPlan` (updates per trainer step and frozen
         policy steps, for the learning-rate schedule)."""
         import equinox as eqx
         from levanter.callbacks.watch import WatchCallback
         from levanter.utils.tree_utils import inference_mode
 
-        from marin_rl_core.protocols import UpdatePlan
+        from marin_rl_core.protocols import LossPlan
 
         self._frozen = {} if reference is None else {"reference": reference}
-        self.plan = plan or UpdatePlan()
-        if state_learning_rate is not None or self.plan != UpdatePlan():
+        self.plan = plan or LossPlan()
+        if (
+            state_learning_rate is not None
+            or self.plan.updates_per_step > 1
+            or (self.plan.frozen_policy_steps)
+        ):
             self.optimizer = make_optimizer(
                 self.config,
                 state_learning_rate=state_learning_rate,

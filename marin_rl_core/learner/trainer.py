@@ -45,9 +45,9 @@ from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupCh
 from marin_rl_core.learner.loss import (
     TrainedModel,
     batch_options,
+    loss_plan,
     non_finite_advice,
     policy_of,
-    update_plan,
     with_loss_state,
 )
 from marin_rl_core.learner.optimizer import make_schedule
@@ -148,20 +148,21 @@ class Trainer:
                 )
             )
         self.loss = loss.build(reference)
+        # What the loss asks of the trainer, read here once (protocols.LossPlan).
+        self.plan = loss_plan(self.loss)
         # A critic (or other trainable loss state) is trained, sharded and checkpointed with
         # the policy; never published or exported.
         model, state_lr = with_loss_state(
-            self.loss, model, key=jax.random.PRNGKey(config.seed + 2),
+            self.plan, model, key=jax.random.PRNGKey(config.seed + 2),
             learning_rate=config.trainer.learning_rate,
         )  # fmt: skip
         # Several updates per step (PPO's epochs x minibatches), a frozen policy at first
         # (value pretraining): the learning-rate schedule counts updates.
-        self.plan = update_plan(self.loss)
         self.learner.set_loss(
             plugin_loss_fn(self.loss),
             reference=reference,
             state_learning_rate=state_lr,
-            prepare_fn=plugin_prepare_fn(self.loss),
+            prepare_fn=plugin_prepare_fn(self.plan),
             plan=self.plan,
         )
         self._schedule = make_schedule(
@@ -233,7 +234,7 @@ class Trainer:
             self.replay.load_state_dict(replay.read_bytes(), state["replay_buffer"])
         if has_loss_state(path) != isinstance(like.model, TrainedModel):
             restored, note = restore_policy_only(
-                self.learner, self.loss, self.config, path, like
+                self.learner, self.plan, self.config, path, like
             )  # (a run that switched between rloo and ppo, say)
             self.resume_notes.append(note)
             return state, restored
@@ -419,7 +420,7 @@ class Trainer:
             pack=self.config.trainer.pack_rollouts,
             row_multiple=self._row_multiple(self._minibatch_size),
             trim=self.config.trainer.trim_rows,
-            **batch_options(self.loss),
+            **batch_options(self.plan),
         )
 
     def _start_warm_up(self) -> threading.Thread | None:
@@ -468,7 +469,7 @@ class Trainer:
 
     def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
         """One trainer step on ``rollouts``: one optimizer update, or the loss's epochs over its
-        minibatches (:class:`~marin_rl_core.protocols.UpdatePlan`), after the loss's
+        minibatches (:class:`~marin_rl_core.protocols.LossPlan`), after the loss's
         preparation. Returns the step's metrics (host floats; the means over its updates)."""
         self.group.send(STEP, self.step, rollouts, advantages)  # the same step on every process
         batches = self._minibatches(rollouts, advantages)

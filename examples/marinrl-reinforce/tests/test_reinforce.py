@@ -35,7 +35,9 @@ def test_the_loss_is_minus_the_weighted_advantage_times_logp_averaged_per_rollou
     loss = marinrl_reinforce.ReinforceLoss(marinrl_reinforce.ReinforceConfig())
     advantages = loss.compute_advantages(RolloutGroup(rollouts=rollouts))
     assert advantages.tolist() == [0.5, -0.5]
-    batch = training_batch_from_rollouts(rollouts, advantages, 8, 0, aggregation=loss.aggregation)
+    batch = training_batch_from_rollouts(
+        rollouts, advantages, 8, 0, aggregation=loss.plan.aggregation
+    )
     config = ModelConfig(hidden_dim=16, intermediate_dim=32, num_layers=1, num_heads=2,
                          num_kv_heads=2, max_seq_len=8)  # fmt: skip
     model = build_model(config, ArithmeticTokenizer(), key=jax.random.PRNGKey(0))
