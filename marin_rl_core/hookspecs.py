@@ -13,12 +13,25 @@ rebuilds the driver's exact plugin set. They must be cheap: import JAX, levanter
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import pluggy
 
 from marin_rl_core.types import LessonConfig
+
+if TYPE_CHECKING:
+    from marin_rl_core.generation import EngineSpec
+    from marin_rl_core.protocols import (
+        CurriculumPolicy,
+        Env,
+        GenerationEngine,
+        MultiTurnEnv,
+        RLLossModule,
+        RolloutStorage,
+        WeightTransfer,
+    )
+    from marin_rl_core.types import RunInfo
 
 PROJECT = "marinrl"
 """The marker name, the entry-point group and the hook-name prefix."""
@@ -41,11 +54,15 @@ class PluginRecord:
         summary: one line for ``marinrl plugins list``.
         config_class: an ``attrs`` class whose every field has a default; its fields are the
             plugin's config keys (``[loss] kl_coef = 0.05``).
-        build: ``build(config)`` returns the object implementing the kind's protocol.
+        build: returns the object implementing the kind's protocol; its arguments are the
+            kind's (``build_parameters``: ``build(config)`` for most, ``build(config, run)`` for
+            a storage, ...). A ``build`` that cannot take them is refused when the record is
+            made, so the plugin fails to load (exit 7) rather than the job after start.
     """
 
     kind: ClassVar[str] = ""
     protocol_name: ClassVar[str] = ""
+    build_parameters: ClassVar[tuple[str, ...]] = ("config",)
 
     name: str
     summary: str
@@ -59,6 +76,28 @@ class PluginRecord:
             raise ValueError(f"plugin name {self.name!r} must match [a-z0-9][a-z0-9_-]*")
         if "\n" in self.summary.strip():
             raise ValueError(f"summary of {self.name!r} must be one line")
+        _check_build(self)
+
+
+def _check_build(record: PluginRecord) -> None:
+    """``record.build`` is callable with the kind's arguments (``build_parameters``)."""
+    import inspect
+
+    build, wanted = record.build, record.build_parameters
+    if not callable(build):
+        raise TypeError(f"{record.kind} plugin {record.name!r}: build must be callable")
+    try:
+        signature = inspect.signature(build)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    try:
+        signature.bind(*wanted)
+    except TypeError as exc:
+        shown = getattr(build, "__qualname__", repr(build))
+        raise TypeError(
+            f"{record.kind} plugin {record.name!r}: build must take ({', '.join(wanted)}) "
+            f"(docs/hooks.md), but {shown}{signature} cannot ({exc})"
+        ) from None
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +120,7 @@ class EnvPlugin(PluginRecord):
 
     kind: ClassVar[str] = "env"
     protocol_name: ClassVar[str] = "Env"
+    build: Callable[[Any], Env | MultiTurnEnv | Any]
     default_lessons: Callable[[Any], Sequence[LessonConfig]] | None = None
     preflight: Callable[[Any], Sequence[str]] | None = None
 
@@ -91,6 +131,7 @@ class LossPlugin(PluginRecord):
 
     kind: ClassVar[str] = "loss"
     protocol_name: ClassVar[str] = "RLLossModule"
+    build: Callable[[Any], RLLossModule]
 
 
 @attrs.frozen(kw_only=True)
@@ -100,6 +141,8 @@ class StoragePlugin(PluginRecord):
 
     kind: ClassVar[str] = "storage"
     protocol_name: ClassVar[str] = "RolloutStorage"
+    build_parameters: ClassVar[tuple[str, ...]] = ("config", "run")
+    build: Callable[[Any, RunInfo], RolloutStorage]
 
 
 @attrs.frozen(kw_only=True)
@@ -108,6 +151,7 @@ class WeightTransferPlugin(PluginRecord):
 
     kind: ClassVar[str] = "weight_transfer"
     protocol_name: ClassVar[str] = "WeightTransfer"
+    build: Callable[[Any], WeightTransfer]
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +161,8 @@ class CurriculumPlugin(PluginRecord):
 
     kind: ClassVar[str] = "curriculum"
     protocol_name: ClassVar[str] = "CurriculumPolicy"
+    build_parameters: ClassVar[tuple[str, ...]] = ("config", "lessons")
+    build: Callable[[Any, Sequence[LessonConfig]], CurriculumPolicy]
 
 
 @attrs.frozen(kw_only=True)
@@ -135,6 +181,8 @@ class EnginePlugin(PluginRecord):
 
     kind: ClassVar[str] = "engine"
     protocol_name: ClassVar[str] = "GenerationEngine"
+    build_parameters: ClassVar[tuple[str, ...]] = ("config", "spec")
+    build: Callable[[Any, EngineSpec], GenerationEngine]
     exact_logprobs: bool = True
 
 

@@ -188,6 +188,40 @@ def test_registration_hook_yielding_the_wrong_record_type_is_an_error(cli, insta
     assert "marinrl_register_envs must yield EnvPlugin records, got LossPlugin" in result.output
 
 
+def test_a_build_that_cannot_take_its_kinds_arguments_is_refused_when_plugins_load(
+    cli, install_dist
+):
+    """A storage's ``build`` is ``build(config, run)``; one written as ``build(config)`` fails
+    while the plugins load (exit 7, naming the signature wanted), not inside a job."""
+    install_dist(
+        "marinrl-shortbuild",
+        "1.0",
+        entry_points={"shortbuild": "shortbuild_mod"},
+        modules={
+            "shortbuild_mod": """
+            import attrs
+            from marin_rl_core import StoragePlugin, hookimpl
+
+            @attrs.frozen
+            class C:
+                x: int = 1
+
+            def make_storage(config):
+                raise AssertionError("never called")
+
+            @hookimpl
+            def marinrl_register_storages():
+                yield StoragePlugin(name="short", summary="s", config_class=C, build=make_storage)
+            """
+        },
+    )
+    result = cli("plugins", "list")
+    out = " ".join(result.output.split())
+    assert result.exit_code == ExitCode.PLUGIN_CONTRACT, out
+    assert "storage plugin 'short': build must take (config, run) (docs/hooks.md)" in out, out
+    assert "make_storage(config) cannot" in out and "--disable-plugin shortbuild" in out, out
+
+
 def test_an_unforeseen_error_is_one_line_and_its_traceback_goes_to_a_file(tmp_path):
     """A bug in marinrl itself (injected here into config resolution) must not dump a
     traceback on the user: one line naming the error and the file that holds the traceback."""
