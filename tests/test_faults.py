@@ -129,55 +129,6 @@ def test_a_storage_write_error_is_retried_with_backoff_and_counted(caplog):
     assert caplog.text.count("writing rollouts to storage failed") == 1, "logged once a minute"
 
 
-@pytest.mark.parametrize(
-    "trainer", ["busy", "starved", "in transit", "dropped", "surplus dropped", "gone"]
-)
-def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer, monkeypatch):
-    """A worker that has made its share for its weights waits for newer ones while the trainer
-    trains (a first step compiling takes long; what it made meanwhile would be stale), generates
-    again at once what the trainer dropped unused (so it stays a step ahead after a checkpoint)
-    but not the surplus it made past its share (that is what goes stale), goes on once the
-    trainer says it has waited with no rollouts arriving and has read what the worker wrote (it
-    lost some it counted on), waits while its last batch is still on the way, and without an
-    answer from the trainer goes on after the plain bound (2 s)."""
-    from marin_rl_core.rollout import worker as rollout_worker
-
-    monkeypatch.setattr(rollout_worker, "STARVED_S", 0.2)
-    monkeypatch.setattr(rollout_worker, "PACED_LIMIT_S", 3.0)
-    worker = flaky_worker()
-    config = worker.config
-    worker.sync_weights()  # no weight client: weights of step 0
-    # All it may make with those weights: max_rollout_step_delay + 1 steps' worth.
-    share = (config.replay_buffer.max_rollout_step_delay + 1) * config.trainer.batch_size
-    worker._count_generated(share)
-    if trainer == "surplus dropped":
-        worker._count_generated(config.trainer.batch_size // 2)  # made while the trainer starved
-    worker._written_through = 3  # it wrote batches 0, 1 and 2
-    assert worker._ahead()
-    asked = []
-
-    def ask_trainer() -> tuple[float, int, int]:
-        asked.append(time.monotonic())
-        if trainer == "gone":
-            raise ConnectionError("the trainer's actor died")
-        if trainer in ("dropped", "surplus dropped"):
-            return 0.0, config.trainer.batch_size // 2, 3
-        return (0.0 if trainer == "busy" else 5.0), 0, 2 if trainer == "in transit" else 3
-
-    worker.ask_trainer = ask_trainer
-    waited = worker._wait_until_not_ahead()
-    if trainer in ("busy", "in transit", "surplus dropped"):
-        assert 3.0 <= waited < 5.0, "a busy trainer is waited for, up to the limit"
-        assert len(asked) > 10
-    elif trainer == "starved":
-        assert 0.2 <= waited < 1.5 and len(asked) == 2
-    elif trainer == "dropped":
-        assert waited < 0.2 and len(asked) == 1, "what was dropped is generated again at once"
-        assert not worker._ahead()
-    else:
-        assert 2.0 <= waited < 3.0 and len(asked) == 1, "no answer: the plain 2 s bound"
-
-
 def test_an_eval_in_which_every_problem_failed_reports_no_score():
     """Not a reward of 0.0: that would tell the curriculum the lesson was forgotten."""
     logged: list[dict] = []

@@ -17,6 +17,7 @@ from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import (
     MarinRLError,
 )
+from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
 from marin_rl_core.rundir import growing_file, upload_now
 
@@ -281,7 +282,7 @@ class TrainerService(_SetUpError):
         self._check()
         return self.trainer.diagnostics()
 
-    def pacing_feedback(self, worker_id: str, worker_index: int) -> tuple[float, int, int]:
+    def pacing_feedback(self, worker_id: str, worker_index: int) -> PacingFeedback:
         """See :meth:`marin_rl_core.learner.trainer.Trainer.pacing_feedback` (paced workers ask)."""
         self._check()
         return self.trainer.pacing_feedback(worker_id, worker_index)
@@ -377,8 +378,8 @@ class RolloutService(_SetUpError):
             import ray
 
             worker_id, worker_index = self.worker.worker_id, self.worker.worker_index
-            self.worker.ask_trainer = lambda: tuple(
-                ray.get(trainer.pacing_feedback.remote(worker_id, worker_index), timeout=5.0)
+            self.worker.pacer.ask = lambda: ray.get(
+                trainer.pacing_feedback.remote(worker_id, worker_index), timeout=5.0
             )
         self._connected = True
 

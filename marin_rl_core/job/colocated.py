@@ -129,9 +129,9 @@ class ColocatedService(TrainerService):
         self._check()
         self.rollout._connect(address, start_batch)
         worker = self.rollout.worker
-        if worker.ask_trainer is None:
+        if worker.pacer.ask is None:
             worker_id, worker_index = worker.worker_id, worker.worker_index
-            worker.ask_trainer = lambda: self.trainer.pacing_feedback(worker_id, worker_index)
+            worker.pacer.ask = lambda: self.trainer.pacing_feedback(worker_id, worker_index)
         return self.rollout.run(address, start_batch)
 
     def rollout_stop(self) -> None:

@@ -61,6 +61,7 @@ from marin_rl_core.learner.step import (
 )
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
+from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
 from marin_rl_core.rundir import absolute, growing_file, run_path, upload_now
@@ -254,14 +255,15 @@ class Trainer:
             return 0.0
         return time.monotonic() - max(self._stage_since, self._last_read)
 
-    def pacing_feedback(self, worker_id: str, worker_index: int) -> tuple[float, int, int]:
-        """What a paced rollout worker asks before it waits for newer weights (thread-safe):
-        :meth:`starved_seconds`; how many of its rollouts were dropped unused
+    def pacing_feedback(self, worker_id: str, worker_index: int) -> PacingFeedback:
+        """What a paced rollout worker asks before it waits for newer weights (thread-safe;
+        :mod:`~marin_rl_core.pacing`): :meth:`starved_seconds`; how many of its rollouts
+        were dropped unused
         (:meth:`~marin_rl_core.learner.replay_buffer.ReplayBuffer.unused_dropped`), which it
         generates again instead of falling a step behind for the rest of the run; and how many
         of worker ``worker_index``'s batches were read (a starved trainer with one of them
         still on its way needs nothing more from that worker)."""
-        return (
+        return PacingFeedback(
             self.starved_seconds(),
             self.replay.unused_dropped(worker_id),
             self.rollout_positions.get(worker_index, 0),

@@ -21,6 +21,7 @@ from typing import Any
 
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
+from marin_rl_core.pacing import Pacer
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.in_flight import polling_weights
@@ -35,14 +36,6 @@ EVAL_SEED_OFFSET = 7_919
 
 WORKER_SEED_STRIDE = 2**24
 """Batches a rollout worker may sample before its seeds would run into the next worker's."""
-
-STARVED_S = 1.0
-"""A paced worker goes on when the trainer has waited this long with no rollouts arriving (the
-trainer's reader polls every 0.5 s, so a batch already written has arrived by then)."""
-
-PACED_LIMIT_S = 60.0
-"""The longest a paced worker waits for newer weights while the trainer is busy (it goes on
-after four typical weight intervals if those are longer)."""
 
 
 def batch_seed(run_seed: int, worker_index: int, batch_index: int, *, salt: int = 0) -> int:
@@ -124,20 +117,16 @@ class RolloutWorker:
         self.write_errors = 0
         self._write_error_logged = -1e9
         self._next_eval = 0
-        self._paced_from: int | None = None  # the weight step pacing counts from
-        self._generated_at: dict[int, int] = {}  # training rollouts made per weight step
-        self._usable = 0.0  # of those, what the trainer can use before they go stale
-        self._weight_interval = 0.0  # typical seconds between weight updates (a moving mean)
-        self._last_weights_at: float | None = None
-        self._pacing_timeout_logged = False
-        self._surplus = 0  # training rollouts made past what pacing counts (see _count_generated)
-        self._written_through = 0  # the counter after the last batch written to storage
-        self.ask_trainer: Callable[[], tuple[float, int, int]] | None = None
-        """The trainer's answer to a paced worker (set by the job; see
-        :meth:`_wait_until_not_ahead`): seconds it has waited for rollouts with none arriving,
-        how many of this worker's rollouts it dropped without training on them, and how many
-        of this worker's batches it has read (the counter after the last one)."""
-        self._dropped_seen = 0  # of those drops, the ones already accounted for
+        rb = config.replay_buffer
+        self.pacer = Pacer(
+            share=rb.max_generated_per_trained
+            * config.trainer.batch_size
+            / config.num_rollout_workers,
+            delay=rb.max_rollout_step_delay,
+            name=self.worker_id,
+        )
+        """When this worker waits for newer weights (:mod:`~marin_rl_core.pacing`); the
+        job sets its ``ask``, the trainer's answer."""
 
     # --- weights ------------------------------------------------------------------------------
 
@@ -180,15 +169,7 @@ class RolloutWorker:
         self._received.append(received)
         self.manager.update_model(received.model, weight_step=int(step))
         self.weight_step = int(step)
-        now = time.monotonic()
-        if self._last_weights_at is not None:
-            interval = now - self._last_weights_at
-            self._weight_interval = (
-                interval
-                if not self._weight_interval
-                else 0.8 * self._weight_interval + 0.2 * interval
-            )
-        self._last_weights_at = now
+        self.pacer.weights_arrived()
         self.weight_syncs += 1
         logger.info("worker %s: now sampling with weights of step %d", self.worker_id, step)
         return True
@@ -263,109 +244,6 @@ class RolloutWorker:
         seconds = time.monotonic() - start
         logger.info("worker %s: sampler warmed up in %.1f s", self.worker_id, seconds)
         return seconds
-
-    # --- pacing -------------------------------------------------------------------------------
-
-    def _ahead(self) -> bool:
-        """Whether this worker has generated all it may with the weights it has (see
-        ``replay_buffer.max_generated_per_trained``): its share of ``ratio x batch_size``
-        rollouts per trainer step, up to ``max_rollout_step_delay`` steps past its newest
-        weights. Rollouts of one weight version count only up to what the trainer can use
-        before they go stale (``max_rollout_step_delay + 1`` steps' worth)."""
-        ratio = self.config.replay_buffer.max_generated_per_trained
-        if not ratio or self.weight_step < 0:
-            return False
-        if self._paced_from is None:
-            self._paced_from = self.weight_step
-        delay = self.config.replay_buffer.max_rollout_step_delay
-        return self._usable >= (self.weight_step - self._paced_from + 1 + delay) * self._share
-
-    @property
-    def _share(self) -> float:
-        """This worker's rollouts per trainer step under pacing."""
-        rb = self.config.replay_buffer
-        return (
-            rb.max_generated_per_trained
-            * self.config.trainer.batch_size
-            / (self.config.num_rollout_workers)
-        )
-
-    def _count_generated(self, n: int, step: int | None = None) -> None:
-        """Count ``n`` training rollouts made with the weights of ``step`` (default: the
-        current ones; a batch's first when later ones joined it, ``episodes.in_flight_weights``)
-        for pacing: a weight
-        version counts only up to ``max_rollout_step_delay + 1`` steps' worth; the rest (made
-        because the trainer was short of rollouts) is surplus, which the trainer may drop as
-        stale without the worker owing it anything."""
-        cap = (self.config.replay_buffer.max_rollout_step_delay + 1) * self._share
-        step = self.weight_step if step is None else step
-        before = self._generated_at.get(step, 0)
-        self._generated_at[step] = before + n
-        counted = min(before + n, cap) - min(before, cap)
-        self._usable += counted
-        self._surplus += n - counted
-
-    def _wait_until_not_ahead(self) -> float:
-        """Wait (watching for a stop) until newer weights let this worker go on; returns the
-        seconds waited.
-
-        The trainer can drop rollouts this worker was counted for (stale after a checkpoint or
-        an eval held the trainer up, or evicted): before waiting, the worker asks
-        (``ask_trainer``) and generates as many again, so it stays ahead of the trainer instead
-        of falling a step behind for the rest of the run. Drops are first set against the
-        worker's surplus (rollouts made past its count, which are the ones expected to go
-        stale): regenerating those would keep a batch too many in flight for good, one stale
-        batch per step. A trainer short of rollouts for another reason (filtered) publishes no
-        newer weights: the worker goes on once the trainer says it has waited ``STARVED_S``
-        with nothing arriving and has read every batch this worker wrote (a batch still on its
-        way will feed it). A trainer that is busy (its first step compiling, a checkpoint) is
-        waited for. Without an answer from the trainer (no job around it, or the trainer is
-        gone) the wait ends after four typical intervals between weight updates (at least 2 s);
-        with one, after ``PACED_LIMIT_S`` or four typical intervals at most."""
-        start = time.monotonic()
-        fallback = max(2.0, 4 * self._weight_interval)
-        limit = max(PACED_LIMIT_S, 4 * self._weight_interval)
-        asked = None
-        while self._ahead() and not self._stop.is_set():
-            if self.sync_weights():
-                continue
-            now = time.monotonic()
-            waited = now - start
-            if self.ask_trainer is not None and (
-                asked is None or (waited >= STARVED_S and now - asked >= 0.1)
-            ):
-                asked = now
-                try:
-                    starved, dropped, read_through = self.ask_trainer()
-                except Exception:  # noqa: BLE001 - no answer: fall back to the plain bound
-                    self.ask_trainer = None
-                    continue
-                if dropped > self._dropped_seen:
-                    new, self._dropped_seen = dropped - self._dropped_seen, dropped
-                    absorbed = min(new, self._surplus)
-                    self._surplus -= absorbed
-                    if new > absorbed:
-                        self._usable -= new - absorbed
-                        continue
-                arrived = read_through >= self._written_through
-                if starved >= STARVED_S and waited >= STARVED_S and arrived:
-                    self._log_pacing_once("the trainer is short of rollouts")
-                    break
-            bound = limit if self.ask_trainer is not None else fallback
-            if waited > bound:
-                self._log_pacing_once(f"no newer weights for {bound:.1f} s")
-                break
-            self._stop.wait(0.005)
-        return time.monotonic() - start
-
-    def _log_pacing_once(self, why: str) -> None:
-        if not self._pacing_timeout_logged:
-            self._pacing_timeout_logged = True
-            logger.info(
-                "worker %s: %s while paced; generating with the weights it has (logged once)",
-                self.worker_id,
-                why,
-            )
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -455,7 +333,7 @@ class RolloutWorker:
         eval_every = self.config.eval.frequency
         end = None if max_batches is None else counter + max_batches
         while not self._stop.is_set() and (end is None or counter < end):
-            paced_seconds = self._wait_until_not_ahead()
+            paced_seconds = self.pacer.wait(lambda: self.weight_step, self.sync_weights, self._stop)
             if self._stop.is_set():
                 break
             sync_start = time.monotonic()
@@ -511,12 +389,12 @@ class RolloutWorker:
                 self._stop.wait(min(0.05 * 2 ** min(self.empty_batches_in_a_row - 1, 7), 5.0))
             else:
                 self.empty_batches_in_a_row = 0
-                self._count_generated(len(batch.rollouts), batch_step)
+                self.pacer.count_generated(len(batch.rollouts), batch_step)
                 self.manager.update_training_stats(lesson_id, batch, self.weight_step)
                 write_start = time.monotonic()
                 if self._write(batch):
                     self.batches_written += 1
-                    self._written_through = counter
+                    self.pacer.written_through = counter
                 write_seconds = time.monotonic() - write_start
             # Where the worker's time goes: generating and scoring (``seconds``), pulling
             # weights, writing (blocked while storage is full: the trainer is behind), and
