@@ -325,7 +325,7 @@ def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog
     """Four episodes whose plain ``step`` hangs: their timeouts run at once (not 4 x 1 s one
     after another), each stuck thread is counted, and once MAX_HUNG_THREADS are stuck the env
     is not called again: its episodes fail at once, saying why."""
-    import marin_rl_core.rollout.episodes as episodes
+    import marin_rl_core.rollout.env_calls as env_calls
 
     manager, env = _probe("sync_hang", "episodes.step_timeout_s=1.0")
     batch, metrics = _sample(manager)
@@ -342,7 +342,7 @@ def test_hung_plain_steps_time_out_together_and_stuck_threads_are_bounded(caplog
     gaps = np.diff(sorted(serial_env.hang_starts))
     assert len(serial_env.hang_starts) == 2 and gaps.min() >= 0.5
     # The bound: with 4 stuck threads allowed, the next batch fails without calling the env.
-    monkeypatch.setattr(episodes, "MAX_HUNG_THREADS", 4)
+    monkeypatch.setattr(env_calls, "MAX_HUNG_THREADS", 4)
     batch, metrics = _sample(manager, seed=1)
     assert batch is None and metrics["env_errors"] == 4 and len(env.hang_starts) == 4
     assert "4 env threads are stuck in calls that never returned" in caplog.text

@@ -11,7 +11,8 @@ session and builds the episode's training samples from its transcript
 
 * An agent that raises, exits non-zero, or is still running at ``episodes.episode_timeout_s``
   fails its episode (a thread stuck in a sync agent is left behind, a subprocess is killed) and
-  nothing else; its later calls are refused.
+  nothing else; its later calls are refused. ``run_agent`` and ``score`` are bounded as every env
+  call is (:mod:`~marin_rl_core.rollout.env_calls`; ``score`` by ``episodes.step_timeout_s``).
 * An episode that ran into a limit (``episodes.max_turns`` calls, ``episodes.max_episode_tokens``,
   ``model.max_seq_len``) ends truncated and is trained on: scored from its result when the agent
   still returned one, with reward 0 when it gave up with an error.
@@ -21,7 +22,6 @@ session and builds the episode's training samples from its transcript
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import os
 import signal
@@ -36,7 +36,7 @@ from marin_rl_core.models.tokenizer import response_stop_ids
 from marin_rl_core.rollout.agent_api import template_messages
 from marin_rl_core.rollout.agent_server import AgentServer, AgentSession
 from marin_rl_core.rollout.agent_transcript import Transcript
-from marin_rl_core.rollout.env_threads import DaemonThreadPool
+from marin_rl_core.rollout.env_calls import EnvCalls
 from marin_rl_core.rollout.episode_state import EpisodeFailure, EpisodeResult
 from marin_rl_core.types import AgentCommand, AgentEndpoint, Problem, SamplingParams, as_score
 
@@ -86,7 +86,7 @@ class AgentEpisodes:
     def __init__(self, server: AgentServer):
         self.server = server
         self.tokenizer = server.tokenizer
-        self._pool = DaemonThreadPool("marinrl-agents", 1)
+        self._calls = EnvCalls("marinrl-agents")  # a thread per agent of the batch
 
     @classmethod
     def start(cls, runner: Any, limits: EpisodesConfig) -> AgentEpisodes:
@@ -106,10 +106,10 @@ class AgentEpisodes:
 
     @property
     def hung_threads(self) -> int:
-        return self._pool.stuck
+        return self._calls.hung_threads
 
     def close(self) -> None:
-        self._pool.shutdown()
+        self._calls.close()
 
     def _render(self, messages: list[dict[str, Any]], tools: Any) -> list[int]:
         return self.tokenizer.encode_chat(template_messages(messages), tools=tools)
@@ -133,23 +133,18 @@ class AgentEpisodes:
                 raise TimeoutError
             return remaining
 
-        run = env.run_agent
-        if inspect.iscoroutinefunction(run):
-            result = await asyncio.wait_for(run(problem, endpoint), left())
-        else:
-            result = await self._pool.call(run, problem, endpoint, timeout=left())
-        if inspect.isawaitable(result):
-            result = await asyncio.wait_for(result, left())
+        result = await self._calls.call(
+            env.run_agent, problem, endpoint, timeout=None, deadline=session.deadline
+        )
         if isinstance(result, AgentCommand):
             result = await _run_command(result, endpoint, left())
         spent = time.monotonic() - start
         score = getattr(env, "score", None)
         if score is None:
             return as_score(result), spent
-        timeout = limits.step_timeout_s or None
-        if inspect.iscoroutinefunction(score):
-            return as_score(await asyncio.wait_for(score(problem, result), timeout)), spent
-        return as_score(await self._pool.call(score, problem, result, timeout=timeout)), spent
+        return as_score(
+            await self._calls.call(score, problem, result, timeout=limits.step_timeout_s)
+        ), spent
 
     async def run(
         self,
@@ -171,7 +166,7 @@ class AgentEpisodes:
         server = self.server
         server.model_name = model_name
         count = len(problems) * n
-        self._pool.size = max(self._pool.size, count)
+        self._calls.set_threads(count, grow_only=True)
         now = time.monotonic()
         deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
         sessions = [

@@ -37,9 +37,7 @@ the action and ends. An episode's state and its token bookkeeping are in
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,11 +48,7 @@ from marin_rl_core.config.schema import EpisodesConfig
 from marin_rl_core.generation import requests_for
 from marin_rl_core.models.tokenizer import response_stop_ids
 from marin_rl_core.protocols import MultiTurnEnv
-from marin_rl_core.rollout.env_threads import (
-    MAX_HUNG_THREADS,
-    DaemonThreadExecutor,
-    DaemonThreadPool,
-)
+from marin_rl_core.rollout.env_calls import EnvCalls
 from marin_rl_core.rollout.episode_state import (
     BatchCancelled,
     EpisodeFailure,
@@ -100,14 +94,10 @@ class EpisodeRunner:
         self.chat = bool(use_chat_template and tokenizer.chat_template is not None)
         self.max_seq_len = max_seq_len
         self._loop = asyncio.new_event_loop()
-        self._env_thread = DaemonThreadExecutor("marinrl-env-steps")
-        self._env_pool: DaemonThreadPool | None = None  # sized by the first batch's limits
-        self._old_pools: list[DaemonThreadPool] = []  # their stuck threads still count
-        self._batch_episodes = 1
+        self.env_calls = EnvCalls("marinrl-env-steps")
+        """Every env call of the runner's episodes, bounded (:mod:`~marin_rl_core.rollout.env_calls`)."""
         self.generation = GenerationQueue(engine)
         """The worker's one generation queue: episodes and agent calls submit here."""
-        self._stuck_scores = 0
-        self._said_stuck = False
         self._task: asyncio.Task[Any] | None = None  # the batch run() is running
         self._agents: Any = None  # the agent endpoint and its episodes, made on first use
 
@@ -115,14 +105,11 @@ class EpisodeRunner:
     def hung_threads(self) -> int:
         """Threads stuck in env calls that were cut off by their timeout and have not returned
         since (a call that was only slow frees its thread when it returns)."""
-        pools = [*self._old_pools, *([self._env_pool] if self._env_pool else [])]
         agents = self._agents.hung_threads if self._agents is not None else 0
-        return self._stuck_scores + sum(pool.stuck for pool in pools) + agents
+        return self.env_calls.hung_threads + agents
 
     def close(self) -> None:
-        self._env_thread.shutdown()
-        if self._env_pool is not None:
-            self._env_pool.shutdown()
+        self.env_calls.close()
         self.generation.close()
         if self._agents is not None:
             self._agents.close()
@@ -187,106 +174,19 @@ class EpisodeRunner:
         limits: EpisodesConfig,
         step: bool = True,
     ) -> Any:
-        """``fn(*args)`` (sync on the env thread, or awaited), bounded by the step and episode
-        timeouts; raises :class:`EpisodeFailure`. ``step``: count it as an env step."""
-        timeout = limits.step_timeout_s or None
-        left = live.deadline - time.monotonic()
-        if left <= 0:
-            raise EpisodeFailure(
-                "timeout", f"episode took longer than {limits.episode_timeout_s} s"
-            )
-        if timeout is None or left < timeout:
-            timeout = left if left != float("inf") else timeout
-        on_thread = not inspect.iscoroutinefunction(fn)
-        if on_thread and self.hung_threads >= MAX_HUNG_THREADS:
-            message = (
-                f"{self.hung_threads} env threads are stuck in calls that never returned "
-                f"(each cut off after episodes.step_timeout_s); the env is not called again in "
-                "this worker. Fix the env's hanging call, or run it with episodes.env_processes "
-                "> 0, whose stuck processes are replaced"
-            )
-            if not self._said_stuck:
-                self._said_stuck = True
-                logger.error("%s", message)
-            raise EpisodeFailure("error", message)
-        if on_thread:
-            # env_threads = 0: a thread for each episode of the batch (the pool only grows), so
-            # that every episode's hung call times out at once.
-            size = limits.env_threads or self._batch_episodes
-            if self._env_pool is None or (
-                limits.env_threads and self._env_pool.size != limits.env_threads
-            ):
-                if self._env_pool is not None:
-                    self._env_pool.shutdown()
-                    self._old_pools.append(self._env_pool)
-                self._env_pool = DaemonThreadPool("marinrl-env-steps", size)
-            elif not limits.env_threads and size > self._env_pool.size:
-                self._env_pool.size = size
-        pool = self._env_pool
-        spent = [0.0]
-        loop = asyncio.get_running_loop()
-        started = asyncio.Event()
-        worker: list[threading.Thread] = []
+        """``fn(*args)`` for ``live``'s episode, bounded by the step timeout and the episode's
+        deadline (:meth:`EnvCalls.call <marin_rl_core.rollout.env_calls.EnvCalls.call>`);
+        raises :class:`EpisodeFailure`. ``step``: count it as an env step."""
 
-        def timed() -> Any:  # the time inside the call, not the wait for an env thread
-            worker.append(threading.current_thread())
-            loop.call_soon_threadsafe(started.set)
-            start = time.perf_counter()
-            try:
-                return fn(*args)
-            finally:
-                spent[0] = time.perf_counter() - start
-
-        start = time.perf_counter()
-        try:
-            if on_thread:
-                assert pool is not None
-                call = asyncio.wrap_future(pool.submit(timed))
-                # The step timeout runs from when the call starts on an env thread, not
-                # while it waits behind other episodes' calls (the episode deadline does).
-                waiting = asyncio.ensure_future(started.wait())
-                left = live.deadline - time.monotonic()
-                try:
-                    await asyncio.wait(
-                        {waiting, call},
-                        timeout=None if left == float("inf") else max(left, 0.0),
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                finally:
-                    waiting.cancel()
-                if not started.is_set() and not call.done():
-                    raise TimeoutError
-            else:
-                call = fn(*args)
-            result = await asyncio.wait_for(call, timeout)
-            if inspect.isawaitable(result):  # a plain function that returned an awaitable
-                awaited = time.perf_counter()
-                try:
-                    result = await asyncio.wait_for(result, timeout)
-                finally:
-                    spent[0] += time.perf_counter() - awaited
-        except TimeoutError:
-            spent[0] = time.perf_counter() - start
-            if on_thread and started.is_set() and pool is not None:
-                # The thread is stuck in that call: it is left behind (counted until the call
-                # returns, if ever), and another takes its place for the calls queued behind it.
-                pool.abandon(worker[0])
-            raise EpisodeFailure(
-                "timeout",
-                f"{getattr(fn, '__qualname__', fn)} did not return within {timeout:.1f} s",
-            ) from None
-        except EpisodeFailure:
-            raise
-        except Exception as exc:
-            raise EpisodeFailure("error", f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            if not on_thread:
-                spent[0] = time.perf_counter() - start
-            live.result.env_seconds += spent[0]
+        def spent(seconds: float) -> None:
+            live.result.env_seconds += seconds
             if step:
-                live.result.env_step_seconds += spent[0]
+                live.result.env_step_seconds += seconds
                 live.result.env_calls += 1
-        return result
+
+        return await self.env_calls.call(
+            fn, *args, timeout=limits.step_timeout_s, deadline=live.deadline, spent=spent
+        )
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -313,7 +213,11 @@ class EpisodeRunner:
         """
         stop_tokens = response_stop_ids(self.tokenizer, sampling.stop_tokens)
         stop_set = set(stop_tokens)
-        self._batch_episodes = max(1, len(problems) * n)
+        # env_threads = 0: a thread for each episode of the batch (the pool only grows), so
+        # that every episode's hung call times out at once.
+        self.env_calls.set_threads(
+            limits.env_threads or len(problems) * n, grow_only=not limits.env_threads
+        )
         now = time.monotonic()
         deadline = now + limits.episode_timeout_s if limits.episode_timeout_s else float("inf")
         lives = [
@@ -492,10 +396,10 @@ class EpisodeRunner:
         limits: EpisodesConfig,
         finish: Callable[..., None],
     ) -> None:
-        """Score a single-turn batch: every ``env.score`` call in one job on the env thread, in
-        order. Each call is still bounded by ``step_timeout_s`` (and the episode deadline): a
-        call past it fails its episode, the env thread stuck in it is left behind, and the
-        calls after it go on on a new thread."""
+        """Score a single-turn batch: every ``env.score`` call in one job on one env thread, in
+        order (:meth:`EnvCalls.call_each
+        <marin_rl_core.rollout.env_calls.EnvCalls.call_each>`): each call is still bounded by
+        ``step_timeout_s`` and the episode deadline, and fails only its episode."""
         actions: list[Action | None] = []
         for live in lives:
             sample = samples[live.index // n][live.index % n]
@@ -504,82 +408,23 @@ class EpisodeRunner:
             except EpisodeFailure as failure:
                 finish(live, failure)
                 actions.append(None)
-        outcomes: list[Any] = [None] * len(lives)
-        spent = [0.0] * len(lives)
-        current = [(-1, 0.0)]  # the call in progress: (its index, when it started)
-        abandoned: set[int] = set()  # first indices of jobs whose thread was left behind
-
-        def work(first: int) -> None:
-            for j in range(first, len(lives)):
-                if first in abandoned:
-                    return
-                action = actions[j]
-                if action is None:
-                    continue
-                current[0] = (j, time.monotonic())
-                start = time.perf_counter()
-                try:
-                    outcome: Any = env.env.score(lives[j].problem, action.text)
-                except Exception as exc:  # noqa: BLE001 - fails this episode only
-                    outcome = EpisodeFailure("error", f"{type(exc).__name__}: {exc}")
-                if first in abandoned:  # this call overran and was already failed
-                    return
-                outcomes[j], spent[j] = outcome, time.perf_counter() - start
-            current[0] = (len(lives), 0.0)
-
-        step_timeout = limits.step_timeout_s or float("inf")
-        first = 0
-        while first < len(lives):
-            job = asyncio.wrap_future(self._env_thread.submit(work, first))
-            while not job.done():
-                index, since = current[0]
-                if index >= len(lives):  # the job is over; its future is about to say so
-                    await job
-                    continue
-                if index < first:  # the job has not started its first call yet: look again soon
-                    limit = min(lives[first].deadline - time.monotonic(), 0.01)
-                else:
-                    limit = min(
-                        since + step_timeout - time.monotonic(),
-                        lives[index].deadline - time.monotonic(),
-                    )
-                if limit == float("inf"):
-                    limit = None
-                done, _ = await asyncio.wait(
-                    {job}, timeout=None if limit is None else max(limit, 0)
-                )
-                if done or current[0][0] != index:
-                    continue  # finished, or moved on to the next call: re-arm the timer
-                if index < first:
-                    if time.monotonic() < lives[first].deadline:
-                        continue
-                    # The whole batch passed its deadline while queued.
-                    abandoned.add(first)
-                    for j in range(first, len(lives)):
-                        outcomes[j] = EpisodeFailure("timeout", "episode timed out")
-                    first = len(lives)
-                    break
-                # Call ``index`` overran: it fails, its thread is left behind, the rest go on.
-                abandoned.add(first)
-                self._stuck_scores += 1
-                stuck = self._env_thread
-                self._env_thread = DaemonThreadExecutor("marinrl-env-steps")
-                stuck.hand_over(self._env_thread)
-                spent[index] = time.monotonic() - since
-                outcomes[index] = EpisodeFailure(
-                    "timeout", f"score did not return within {limits.step_timeout_s:.1f} s"
-                )
-                first = index + 1
-                break
-            else:
-                first = len(lives)
+        scored = await self.env_calls.call_each(
+            env.env.score,
+            [
+                None if action is None else (live.problem, action.text)
+                for live, action in zip(lives, actions)
+            ],
+            timeout=limits.step_timeout_s,
+            deadlines=[live.deadline for live in lives],
+            what="score",
+        )
         for j, live in enumerate(lives):
             if actions[j] is None:
                 continue
-            live.result.env_seconds += spent[j]
-            live.result.env_step_seconds += spent[j]
+            outcome, spent = scored[j]
+            live.result.env_seconds += spent
+            live.result.env_step_seconds += spent
             live.result.env_calls += 1
-            outcome = outcomes[j]
             if isinstance(outcome, EpisodeFailure):
                 finish(live, outcome)
                 continue
