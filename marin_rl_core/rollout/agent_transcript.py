@@ -84,18 +84,21 @@ class Call:
     truncated: bool  # finish_reason "length"
     part: int = -1
     text: str | None = None  # a text completion's prompt + returned text (``None`` for chat)
+    reward: float = 0.0  # the env's reward for this action (a multi-turn env's step reward)
 
 
 class Transcript:
-    """The calls of one episode.
+    """The calls of one episode: an agent's calls through the endpoint, or the actions of an
+    episode the framework runs (:mod:`~marin_rl_core.rollout.episode_state`), which records
+    each with the context it knows it continues.
 
     Args:
         render: the chat template: ``render(messages, tools)`` (OpenAI-style dicts; the
             request's ``tools`` or ``None``) to the prompt's token ids, ending with the opening
-            of the assistant's turn.
+            of the assistant's turn (needed by :meth:`context` only).
     """
 
-    def __init__(self, render: Callable[[list[dict[str, Any]], Any], list[int]]):
+    def __init__(self, render: Callable[[list[dict[str, Any]], Any], list[int]] | None = None):
         self._render = render
         self.calls: list[Call] = []
         self.parts: list[list[int]] = []
@@ -115,6 +118,7 @@ class Transcript:
     def context(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> Context:
         """The prompt ids for a call with ``messages`` and ``tools`` (see the module
         docstring; tools that change between calls change the rendering: a split)."""
+        assert self._render is not None, "a transcript without a template has no context()"
         ids = [int(t) for t in self._render([dict(m) for m in messages], tools)]
         if not self.calls:
             return Context(ids, None, None)
@@ -203,10 +207,12 @@ class Transcript:
         self, *, env_name: str, lesson_id: str, problem_id: str, reward: float
     ) -> list[Rollout]:
         """One :class:`Rollout` per sample (``part`` 0, 1, ...), each with the episode's
-        ``reward``; the last call of the episode gets it as its turn reward. Metadata (weight
-        step: :meth:`weight_step` of each part) is the caller's."""
+        ``reward``. Each call's turn reward is its own (:attr:`Call.reward`); what ``reward``
+        holds beyond their sum (an agent's score: all of it) goes to the episode's last call.
+        Metadata (weight step: :meth:`weight_step` of each part) is the caller's."""
         out = []
         last = len(self.calls) - 1
+        rest = reward - sum(call.reward for call in self.calls)
         for p, indices in enumerate(self.parts):
             tip = self.calls[indices[-1]]
             tokens = tip.prompt_ids + tip.completion_ids
@@ -229,7 +235,10 @@ class Transcript:
                     logprobs=logprobs,
                     reward=reward,
                     turn_starts=starts,
-                    turn_rewards=[reward if i == last else 0.0 for i in indices],
+                    turn_rewards=[
+                        self.calls[i].reward + (rest if i == last and rest else 0.0)
+                        for i in indices
+                    ],
                     part=p,
                     truncated=tip.truncated,
                 )

@@ -1,8 +1,13 @@
 """An episode's state while it runs (:class:`Live`), its result, the ways it fails, the
 single-turn adapter (:func:`as_multi_turn`), and the token bookkeeping of each turn: an action's
-tokens kept as sampled (:func:`take_action`), an observation's tokens appended after them or a new
-part started (:func:`observe`), a part closed into a :class:`~marin_rl_core.types.Rollout`
-(:func:`close_part`)."""
+tokens kept as sampled and recorded (:func:`take_action`), an observation's tokens appended after
+them or a new training sample started (:func:`observe`), the episode's training samples built at
+its end (:func:`episode_rollouts`).
+
+The record is the same :class:`~marin_rl_core.rollout.agent_transcript.Transcript` an agent
+episode keeps of its calls (one bookkeeper of exact tokens): each action is a call whose prompt
+is the episode's tokens so far, continuing the previous action's sample unless a chat template
+rewrote the past (a ``"template"`` split: a new sample whose prompt is the fresh rendering)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import attrs
 import numpy as np
 
 from marin_rl_core.protocols import Env, Episode, MultiTurnEnv, is_agent_env
+from marin_rl_core.rollout.agent_transcript import Context, Transcript
 from marin_rl_core.types import Action, Problem, Rollout, Step, as_score
 
 # --- the single-turn adapter ----------------------------------------------------------------------
@@ -110,11 +116,10 @@ class Live:
     index: int  # problem_index * n + k
     problem: Problem
     episode: Any = None
-    tokens: list[int] = attrs.field(factory=list)
-    mask: list[bool] = attrs.field(factory=list)
-    logprobs: list[float] = attrs.field(factory=list)
-    turn_starts: list[int] = attrs.field(factory=list)
-    turn_rewards: list[float] = attrs.field(factory=list)
+    tokens: list[int] = attrs.field(factory=list)  # what the next action is sampled after
+    transcript: Transcript = attrs.field(factory=Transcript)  # the actions, as sampled
+    parent: int | None = None  # the recorded action ``tokens`` continue (None: a new sample)
+    split: str | None = None  # why ``tokens`` do not continue it, if they do not
     messages: list[dict[str, str]] = attrs.field(factory=list)
     turn: int = 0
     truncated: bool = False
@@ -132,16 +137,25 @@ def span_weight_steps(
 
 
 def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> Action:
-    """Append a sampled action's tokens to the episode; the action as the env sees it."""
+    """Record a sampled action after the episode's tokens so far; the action as the env sees
+    it."""
     tokens = [int(t) for t in sample.tokens]
     if not tokens:
         raise EpisodeFailure("error", "the sampler returned an empty action")
-    live.turn_starts.append(len(live.tokens))
-    live.tokens.extend(tokens)
-    live.mask.extend([True] * len(tokens))
-    live.logprobs.extend(float(x) for x in sample.logprobs)
+    steps = sample.weight_steps
+    live.transcript.record(
+        Context(live.tokens, live.parent, live.split),
+        (),
+        {},
+        tokens,
+        [float(x) for x in sample.logprobs],
+        weight_step=steps[0] if steps else 0,
+        truncated=not sample.stopped,
+    )
+    live.parent, live.split = len(live.transcript.calls) - 1, None
+    live.tokens = [*live.tokens, *tokens]
     live.turn += 1
-    live.result.weight_steps = span_weight_steps(live.result.weight_steps, sample.weight_steps)
+    live.result.weight_steps = span_weight_steps(live.result.weight_steps, steps)
     truncated = not sample.stopped
     live.truncated = truncated
     text = tokenizer.decode([t for t in tokens if t not in stop_set])
@@ -149,68 +163,46 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
     return Action(text=text, token_ids=tuple(tokens), truncated=truncated, turn=live.turn - 1)
 
 
-def observe(
-    live: Live, step: Step, *, tokenizer: Any, chat: bool, env_name: str, lesson_id: str
-) -> None:
-    """Append the observation's tokens (or start a new part where the template would
-    rewrite the past)."""
+def observe(live: Live, step: Step, *, tokenizer: Any, chat: bool) -> None:
+    """Append the observation's tokens (or start a new training sample where the template
+    would rewrite the past)."""
     observation = step.observation
     if not chat:
         if not isinstance(observation, str):  # no template: the messages' text, in order
             observation = "".join(m["content"] for m in observation)
-        new = tokenizer.encode(observation) if observation else []
-    else:
-        messages = (
-            [{"role": "user", "content": observation}]
-            if isinstance(observation, str)
-            else [dict(m) for m in observation]
-        )
-        live.messages.extend(messages)
-        rendered = tokenizer.encode_chat(live.messages)
-        if rendered[: len(live.tokens)] != live.tokens:
-            # The template changes what came before: go on in a new training sample.
-            close_part(live, env_name=env_name, lesson_id=lesson_id)
-            live.tokens = list(rendered)
-            live.mask = [False] * len(rendered)
-            live.logprobs = [0.0] * len(rendered)
-            live.turn_starts, live.turn_rewards = [], []
-            return
-        new = rendered[len(live.tokens) :]
-    live.tokens.extend(int(t) for t in new)
-    live.mask.extend([False] * len(new))
-    live.logprobs.extend([0.0] * len(new))
-
-
-def close_part(live: Live, *, env_name: str, lesson_id: str, reward: float = 0.0) -> None:
-    """Turn what the episode has gathered since its last part into a :class:`Rollout`
-    (``reward``: the episode's, when this is its last part; earlier parts get it later)."""
-    if not live.turn_starts:
+        live.tokens.extend(int(t) for t in (tokenizer.encode(observation) if observation else []))
         return
-    rollout = Rollout(
-        env_name=env_name,
-        lesson_id=lesson_id,
-        problem_id=live.problem.id,
-        tokens=live.tokens,
-        loss_mask=live.mask,
-        logprobs=live.logprobs,
-        reward=reward,
-        turn_starts=live.turn_starts,
-        turn_rewards=live.turn_rewards[: len(live.turn_starts)],
-        part=len(live.result.rollouts),
-        truncated=live.truncated,
+    messages = (
+        [{"role": "user", "content": observation}]
+        if isinstance(observation, str)
+        else [dict(m) for m in observation]
     )
-    live.result.rollouts.append(rollout)
+    live.messages.extend(messages)
+    rendered = [int(t) for t in tokenizer.encode_chat(live.messages)]
+    if rendered[: len(live.tokens)] != live.tokens:
+        # The template changes what came before: go on in a new training sample.
+        live.parent, live.split = None, "template"
+    live.tokens = rendered
+
+
+def episode_rollouts(live: Live, *, env_name: str, lesson_id: str) -> list[Rollout]:
+    """The finished episode's training samples (one unless a template split it), each with the
+    episode's reward (the sum of its turn rewards) and whether it ended truncated."""
+    calls = live.transcript.calls
+    reward = float(sum(call.reward for call in calls))
+    rollouts = live.transcript.rollouts(
+        env_name=env_name, lesson_id=lesson_id, problem_id=live.problem.id, reward=reward
+    )
+    return [
+        r if r.truncated == live.truncated else attrs.evolve(r, truncated=live.truncated)
+        for r in rollouts
+    ]
 
 
 def episode_seed(seed: int, episode: int, turn: int) -> int:
     """The sampling seed of an episode's action at ``turn`` (a single-turn env's batch uses the
     batch seed instead, in one generate call); an agent episode's calls use it too."""
     return int(np.random.SeedSequence([seed % 2**32, episode, turn]).generate_state(1)[0] >> 1)
-
-
-def episode_reward(result: EpisodeResult) -> float:
-    """The sum of the turn rewards over all parts of an episode."""
-    return float(sum(float(np.sum(r.turn_rewards)) for r in result.rollouts))
 
 
 __all__ = [
@@ -220,8 +212,7 @@ __all__ = [
     "Live",
     "SingleTurnEpisodes",
     "as_multi_turn",
-    "close_part",
-    "episode_reward",
+    "episode_rollouts",
     "episode_seed",
     "observe",
     "take_action",

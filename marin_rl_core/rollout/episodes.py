@@ -42,8 +42,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
-
 from marin_rl_core.config.schema import EpisodesConfig
 from marin_rl_core.generation import requests_for
 from marin_rl_core.models.tokenizer import response_stop_ids
@@ -55,8 +53,7 @@ from marin_rl_core.rollout.episode_state import (
     EpisodeResult,
     Live,
     SingleTurnEpisodes,
-    close_part,
-    episode_reward,
+    episode_rollouts,
     episode_seed,
     observe,
     take_action,
@@ -225,8 +222,6 @@ class EpisodeRunner:
                 index=i * n + k,
                 problem=problem,
                 tokens=[int(t) for t in prompts[i]],
-                mask=[False] * len(prompts[i]),
-                logprobs=[0.0] * len(prompts[i]),
                 messages=[dict(m) for m in problem.messages]
                 or [{"role": "user", "content": problem.prompt}],
                 deadline=deadline,
@@ -259,16 +254,9 @@ class EpisodeRunner:
                 live.result.failure = failure
                 live.result.rollouts = []
             else:
-                # The last part is built with the episode's reward; earlier parts (an episode
-                # a chat template split) get it now that it is known.
-                reward = episode_reward(live.result) + float(sum(live.turn_rewards))
-                close_part(live, env_name=env_name, lesson_id=lesson_id, reward=reward)
-                live.result.rollouts = [
-                    r
-                    if (r.reward, r.truncated) == (reward, live.truncated)
-                    else attrs.evolve(r, reward=reward, truncated=live.truncated)
-                    for r in live.result.rollouts
-                ]
+                live.result.rollouts = episode_rollouts(
+                    live, env_name=env_name, lesson_id=lesson_id
+                )
             close = getattr(env, "close", None)
             if close is not None and live.episode is not None:
                 try:
@@ -293,7 +281,7 @@ class EpisodeRunner:
                     raise EpisodeFailure(
                         "error", f"step() returned {type(step).__name__}, expected a Step"
                     )
-                live.turn_rewards.append(step.reward)
+                live.transcript.calls[-1].reward = float(step.reward)
                 live.result.metrics = dict(step.metrics)
                 if step.done:
                     finish(live)
@@ -302,14 +290,7 @@ class EpisodeRunner:
                     live.truncated = True
                     finish(live)
                     return
-                observe(
-                    live,
-                    step,
-                    tokenizer=self.tokenizer,
-                    chat=self.chat,
-                    env_name=env_name,
-                    lesson_id=lesson_id,
-                )
+                observe(live, step, tokenizer=self.tokenizer, chat=self.chat)
                 if len(live.tokens) >= self.max_seq_len:
                     live.truncated = True  # no room left for another action
                     finish(live)
@@ -433,7 +414,7 @@ class EpisodeRunner:
             except Exception as exc:  # noqa: BLE001 - a score of the wrong type
                 finish(live, EpisodeFailure("error", f"{type(exc).__name__}: {exc}"))
                 continue
-            live.turn_rewards.append(score.reward)
+            live.transcript.calls[-1].reward = float(score.reward)
             live.result.metrics = dict(score.metrics)
             finish(live)
 
