@@ -89,7 +89,7 @@ def test_the_kl_reference_model_enters_the_step_as_an_argument_not_as_constants(
 
     registry, config = rloo_job(kl_coef=0.01)
     trainer = Trainer(config, registry, run_dir=tmp_path, storage=None)
-    batch = trainer._training_batch(
+    batch = trainer.updates.training_batch(
         short_rollouts(8, trainer.tokenizer, 3), np.linspace(-1, 1, 8).astype(np.float32)
     )
     embedding = config.model.hidden_dim * trainer.tokenizer.vocab_size * 4

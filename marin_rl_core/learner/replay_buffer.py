@@ -34,6 +34,7 @@ import attrs
 import numpy as np
 
 from marin_rl_core.config.schema import ReplayBufferConfig
+from marin_rl_core.learner.replay_metrics import EnvCounters, buffer_metrics
 from marin_rl_core.protocols import RLLossModule
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup
 
@@ -48,26 +49,6 @@ class _Entry:
     @property
     def env(self) -> str:
         return self.rollout.env_name
-
-
-@attrs.define
-class _EnvCounters:
-    """What happened to one env's rollouts since the last ``metrics(reset=True)``."""
-
-    new_rollouts: int = 0
-    new_tokens: int = 0
-    new_generated_tokens: int = 0
-    new_truncated: int = 0
-    reward_sum: float = 0.0
-    reward_sq_sum: float = 0.0
-    groups: int = 0
-    zero_variance_groups: int = 0
-    dropped_stale_step: int = 0
-    dropped_stale_time: int = 0
-    evicted: int = 0
-    dropped_by_loss: int = 0
-    sampled_rollouts: int = 0
-    sampled_tokens: int = 0
 
 
 class ReplayBuffer:
@@ -108,9 +89,9 @@ class ReplayBuffer:
         self._entries: list[_Entry] = []  # oldest first
         self._next_group = 0
         self._current_step = 0
-        self._window: dict[str, _EnvCounters] = defaultdict(_EnvCounters)
-        self._accepted_total: dict[str, int] = defaultdict(int)
-        self._used_total: dict[str, int] = defaultdict(int)
+        self._window: defaultdict[str, EnvCounters] = defaultdict(EnvCounters)
+        self._accepted_total: defaultdict[str, int] = defaultdict(int)
+        self._used_total: defaultdict[str, int] = defaultdict(int)
         self._unused_dropped: dict[str, int] = defaultdict(int)  # by worker, see unused_dropped
 
     # --- state ---------------------------------------------------------------------------------
@@ -436,81 +417,16 @@ class ReplayBuffer:
         out rather than reported as 0.
         """
         with self._lock:
-            held: dict[str, list[_Entry]] = defaultdict(list)
-            for entry in self._entries:
-                held[entry.env].append(entry)
-            envs = sorted(set(held) | set(self._window) | set(self._accepted_total))
-            out: dict[str, float] = {}
-            for env in envs:
-                out.update(
-                    self._env_metrics(
-                        f"{env}/",
-                        held[env],
-                        [self._window[env]],
-                        self._accepted_total[env],
-                        self._used_total[env],
-                    )
-                )
-            out.update(
-                self._env_metrics(
-                    "",
-                    self._entries,
-                    [self._window[env] for env in envs],
-                    sum(self._accepted_total.values()),
-                    sum(self._used_total.values()),
-                )
+            out = buffer_metrics(
+                [entry.rollout for entry in self._entries],
+                self._window,
+                self._accepted_total,
+                self._used_total,
+                current_step=self._current_step,
             )
-            all_tokens = sum(self._window[env].sampled_tokens for env in envs)
-            if all_tokens:
-                for env in envs:
-                    out[f"{env}/frac_sampled_tokens"] = (
-                        self._window[env].sampled_tokens / all_tokens
-                    )
             if reset:
                 self._window.clear()
             return out
-
-    def _env_metrics(
-        self,
-        prefix: str,
-        entries: list[_Entry],
-        windows: list[_EnvCounters],
-        accepted_total: int,
-        used_total: int,
-    ) -> dict[str, float]:
-        def total(name: str) -> float:
-            return float(sum(getattr(w, name) for w in windows))
-
-        out = {
-            "rollouts_in_buffer": float(len(entries)),
-            "tokens_in_buffer": float(sum(e.rollout.num_tokens for e in entries)),
-        }
-        if entries:
-            on_policy = sum(_weight_step(e) >= self._current_step for e in entries)
-            out["frac_on_policy"] = on_policy / len(entries)
-        for name in (
-            "new_rollouts",
-            "new_tokens",
-            "new_generated_tokens",
-            "dropped_stale_step",
-            "dropped_stale_time",
-            "evicted",
-            "dropped_by_loss",
-            "sampled_rollouts",
-            "sampled_tokens",
-        ):
-            out[name] = total(name)
-        new = total("new_rollouts")
-        if new:
-            mean = total("reward_sum") / new
-            out["reward/mean"] = mean
-            out["reward/std"] = math.sqrt(max(0.0, total("reward_sq_sum") / new - mean**2))
-            out["frac_truncated"] = total("new_truncated") / new
-        if total("groups"):
-            out["frac_zero_variance_groups"] = total("zero_variance_groups") / total("groups")
-        if accepted_total:
-            out["frac_used"] = used_total / accepted_total
-        return {prefix + name: value for name, value in out.items()}
 
 
 def episode_advantages(loss: RLLossModule, group: RolloutGroup) -> np.ndarray:
@@ -538,8 +454,3 @@ def episode_advantages(loss: RLLossModule, group: RolloutGroup) -> np.ndarray:
         raise ValueError("a rollout group must start with part 0 of an episode")
     episode_of = np.cumsum([r.part == 0 for r in rollouts]) - 1
     return advantages[episode_of]
-
-
-def _weight_step(entry: _Entry) -> int:
-    assert entry.rollout.metadata is not None  # add_batches refuses rollouts without it
-    return entry.rollout.metadata.weight_step

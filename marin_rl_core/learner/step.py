@@ -1,7 +1,8 @@
 """The train step on levanter's trainer machinery: :class:`Learner` holds the device mesh, the
 sharded parameters and optimizer state (AdamW from :func:`make_optimizer`), mixed precision and
 gradient accumulation, and runs the loss plugin's loss as levanter's own step, with the frozen
-models a loss needs passed in as sharded arguments (never compiled in as constants)."""
+models a loss needs passed in as sharded arguments (never compiled in as constants). How that
+step is compiled and its metrics captured is :mod:`~marin_rl_core.learner.levanter_step`'s."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from marin_rl_core.config.schema import MeshConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError
+from marin_rl_core.learner.levanter_step import CaptureTracker, levanter_trainer
 from marin_rl_core.learner.optimizer import make_optimizer
 
 
@@ -84,57 +86,6 @@ def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-class _StepJit:
-    """levanter's train step (``Trainer._train_step``) compiled with ``eqx.filter_jit`` instead
-    of haliax's ``named_jit``, called like levanter calls its ``_jit_train_step_fn``.
-
-    ``named_jit`` works out the output shardings on every call: it flattens and hashes the whole
-    train state and evaluates the step's output shapes, ~8 ms of Python per step on the default
-    task (a quarter of the step on CPU). It needs none of that here: the step already constrains
-    its result to the parameter sharding (``hax.shard_with_axis_mapping`` at its end) and its
-    inputs arrive sharded, so XLA keeps the same layouts without being told. The state is
-    donated, as levanter's ``donate_args=(True,)`` does. ``tests/test_sharding.py`` checks the
-    result and the parameters' sharding on four devices against one."""
-
-    def __init__(self, step: Callable[..., Any], axis_mapping: Any, microbatch_rows: int | None):
-        import equinox as eqx
-        import haliax as hax
-
-        def body(inputs: tuple[Any, Any], state: Any) -> Any:
-            batch, kwargs = inputs
-            batch = tuple(_for_accumulation(b, microbatch_rows) for b in batch)
-            with hax.axis_mapping(axis_mapping):
-                return step(state, batch, kwargs)
-
-        # Donate every argument but the first: the state, not the batch.
-        self._jit = eqx.filter_jit(body, donate="all-except-first")
-
-    def __call__(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
-        return self._jit((batch, batch_kwargs), state)
-
-    def lower(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
-        """JAX's ``Lowered`` step (``.compile().memory_analysis()``, ``.as_text()``)."""
-        return self._jit.lower((batch, batch_kwargs), state).lowered
-
-
-def _for_accumulation(batch: Any, microbatch_rows: int | None) -> Any:
-    """``batch`` with its step-wide loss weights (``TrainingBatch.loss_weight``) scaled by the
-    number of micro-batches it is cut into: levanter averages the micro-batches' losses,
-    gradients and mean metrics, and weights that sum over the whole step need a sum."""
-    import equinox as eqx
-
-    if getattr(batch, "loss_weight", None) is None or not microbatch_rows:
-        return batch
-    steps = batch.Batch.size // microbatch_rows
-    if steps <= 1:
-        return batch
-    return eqx.tree_at(
-        lambda b: (b.loss_weight, b.token_weight),
-        batch,
-        (batch.loss_weight * steps, batch.token_weight * steps),
-    )
-
-
 def plugin_loss_fn(module: Any) -> Callable[..., Any]:
     """A loss plugin's loss function, made inside the traced step from the reference model the
     step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
@@ -164,54 +115,6 @@ def plugin_prepare_fn(plan: Any) -> Callable[..., Any] | None:
         return create(reference, model)(model, batches)
 
     return prepare
-
-
-def _levanter_trainer(*args: Any, **kwargs: Any) -> Any:
-    """A ``levanter.trainer.Trainer`` whose train step is a :class:`_StepJit`."""
-    import functools
-
-    import levanter.trainer
-
-    trainer = levanter.trainer.Trainer(*args, **kwargs)
-    # levanter builds these lazily (cached properties); set them first. With hooks due (the
-    # gradient-norm watch runs every step) levanter calls the first, else the second.
-    rows = trainer.config.microbatch_size
-    trainer.__dict__["_jit_train_step_fn"] = _StepJit(
-        trainer._train_step, trainer.parameter_axis_mapping, rows
-    )
-    trainer.__dict__["_jit_train_step_fn_no_hook"] = _StepJit(
-        functools.partial(trainer._train_step, _no_hooks=True), trainer.parameter_axis_mapping, rows
-    )
-    return trainer
-
-
-class _CaptureTracker:
-    """A levanter tracker that keeps the metrics levanter's train step logs, for our own rows."""
-
-    name = "marinrl-capture"
-
-    def __init__(self) -> None:
-        self.latest: dict[str, Any] = {}
-
-    def init(self, run_id: str | None) -> _CaptureTracker:  # levanter's TrackerConfig API
-        return self
-
-    def log_hyperparameters(self, hparams: dict[str, Any]) -> None:
-        pass
-
-    def log(self, metrics: Any, *, step: int | None, commit: bool | None = None) -> None:
-        self.latest.update(metrics)
-
-    def log_summary(self, metrics: dict[str, Any]) -> None:
-        pass
-
-    def log_artifact(
-        self, artifact_path: Any, *, name: str | None = None, type: str | None = None
-    ) -> None:
-        pass
-
-    def finish(self) -> None:
-        pass
 
 
 def mesh_sizes(
@@ -273,7 +176,7 @@ class Learner:
             config.mesh, jax.device_count(), config.batch_size, config.microbatch_size
         )
         self.sizes = sizes
-        self.tracker = _CaptureTracker()
+        self.tracker = CaptureTracker()
         micro = config.microbatch_size
         self.levanter_config = levanter.trainer.TrainerConfig(
             mp=config.mp_policy(hf_checkpoint=hf_checkpoint),
@@ -371,7 +274,7 @@ class Learner:
                     return prepare_fn(model, batches, **frozen)
 
             self._prepare = eqx.filter_jit(prepare)
-        self.trainer = _levanter_trainer(
+        self.trainer = levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )
         # The global gradient norm (before clipping), as levanter's watch computes it.

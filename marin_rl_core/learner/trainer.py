@@ -6,7 +6,9 @@ mesh, sharded parameters and optimizer state, mixed precision, gradient accumula
 checkpoints) around an optax AdamW optimizer and the loss plugin's ``create_loss_fn``. A frozen
 copy of the initial policy is kept as the reference model only when the loss asks for one.
 
-The train step itself is :class:`~marin_rl_core.learner.step.Learner`'s.
+The train step itself is :class:`~marin_rl_core.learner.step.Learner`'s; what a trainer step is
+in optimizer updates (its batches, the loss's minibatches and epochs) is
+:mod:`~marin_rl_core.learner.step_updates`'s.
 
 Each step waits until the replay buffer can hand out ``trainer.batch_size`` rollouts, trains on
 them, advances the buffer's notion of "current step" (which drops stale rollouts), publishes
@@ -22,7 +24,6 @@ a later run with the same run directory resumes from it.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -44,7 +45,6 @@ from marin_rl_core.learner.checkpoint import (
 from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
 from marin_rl_core.learner.loss import (
     TrainedModel,
-    batch_options,
     loss_plan,
     non_finite_advice,
     policy_of,
@@ -52,13 +52,8 @@ from marin_rl_core.learner.loss import (
 )
 from marin_rl_core.learner.optimizer import make_schedule
 from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
-from marin_rl_core.learner.step import (
-    Learner,
-    all_finite,
-    metric_reduction,
-    plugin_loss_fn,
-    plugin_prepare_fn,
-)
+from marin_rl_core.learner.step import Learner, all_finite, plugin_loss_fn, plugin_prepare_fn
+from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import drop_rows_after
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.pacing import PacingFeedback
@@ -119,10 +114,6 @@ class Trainer:
         from marin_rl_core.models.tokenizer import model_tokenizer
 
         self.config = config
-        self._temperature = {
-            lesson.id: config.sampling_for(lesson).temperature
-            for lesson in config.curriculum.lessons
-        }
         self.run_dir = run_path(run_dir)
         self._samples = growing_file(run_dir, "samples.jsonl")
         self._on_checkpoint = on_checkpoint or (lambda step: None)
@@ -171,6 +162,8 @@ class Trainer:
             updates_per_step=self.plan.updates_per_step,
             frozen_updates=self.plan.frozen_policy_steps * self.plan.updates_per_step,
         )
+        # The step's rollouts into batches, and the batches into the loss's updates.
+        self.updates = StepUpdates(config, self.plan, self.learner, pad_id=self.tokenizer.pad_id)
         key = jax.random.PRNGKey(config.seed + 1)
         if checkpoints_newest_first(self.run_dir):
             # Resuming: the checkpoint is read into the state's shapes, so that one trainer state
@@ -391,128 +384,30 @@ class Trainer:
                 self.replay.add_batches(batches, current_step=self.step)
         return None
 
-    @property
-    def _minibatch_size(self) -> int:
-        """Rollouts per optimizer update: the batch, or its part when the loss cuts it into
-        minibatches (config validation checks that they divide it)."""
-        return self.config.trainer.batch_size // self.plan.minibatches
-
-    def _row_multiple(self, size: int) -> int:
-        """Packed batches of ``size`` rollouts have a multiple of this many rows (or ``size``
-        rows, which :func:`~marin_rl_core.learner.training_batch.training_batch_from_rollouts`
-        never exceeds): an eighth of the batch (so at most nine shapes compile), and whole
-        micro-batches and data-parallel shards."""
-        t = self.config.trainer
-        unit = t.microbatch_size or self.learner.sizes["batch_shards"]
-        return math.lcm(max(1, size // 8), unit)
-
-    def _training_batch(self, rollouts: list[Rollout], advantages: np.ndarray) -> Any:
-        """The training batch of one optimizer update (``_minibatch_size`` rollouts at most)."""
-        from marin_rl_core.learner.training_batch import training_batch_from_rollouts
-
-        # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
-        temperature = [self._temperature[r.lesson_id] for r in rollouts]
-        return training_batch_from_rollouts(
-            rollouts,
-            advantages,
-            self.config.model.max_seq_len,
-            self.tokenizer.pad_id,
-            temperature=temperature,
-            batch_size=self._minibatch_size,
-            pack=self.config.trainer.pack_rollouts,
-            row_multiple=self._row_multiple(self._minibatch_size),
-            trim=self.config.trainer.trim_rows,
-            **batch_options(self.plan),
-        )
-
-    def _start_warm_up(self) -> threading.Thread | None:
-        """Trace the train step in the background while the first rollouts are generated: the
-        first step otherwise spends ~1 s of a 2-core machine tracing and lowering it after
-        they arrive (issue 11). The shapes are those of a batch whose rollouts all fit the
-        shortest trimmed row (8 tokens: short answers, as the default task has) or, with
-        ``trim_rows`` off, of every batch; packed batches vary in rows, so they get none. A
-        first batch of other shapes traces its own step as before: what the warm-up made goes
-        unused, and no XLA compile is wasted on it (see :meth:`Learner.warm_up`)."""
-        if self.config.trainer.pack_rollouts or self.group.grouped:  # a group places collectively
-            return None
-        batch = self._training_batch([], np.zeros(0, np.float32))
-        state = self.state
-
-        def warm_up() -> None:
-            start = time.monotonic()
-            try:
-                self.learner.warm_up(state, batch)
-            except Exception:  # the first real step reports what is wrong, with its batch
-                logger.debug("train step warm-up failed", exc_info=True)
-                return
-            logger.info(
-                "train step traced in %.1f s for batches of %s rows x %s positions",
-                time.monotonic() - start,
-                batch.Batch.size,
-                batch.Pos.size,
-            )
-
-        thread = threading.Thread(target=warm_up, name="marinrl-step-warm-up", daemon=True)
-        thread.start()
-        return thread
-
-    def _minibatches(self, rollouts: list[Rollout], advantages: np.ndarray) -> list[Any]:
-        """The step's training batches: one, or the loss's minibatches (a random partition of
-        the rollouts, the same for every epoch of the step; seeded by the run's seed and the
-        step, so a resumed run cuts a step as the uninterrupted one did)."""
-        parts = self.plan.minibatches
-        if parts == 1:
-            return [self._training_batch(rollouts, advantages)]
-        order = np.random.default_rng([self.config.seed, self.step]).permutation(len(rollouts))
-        return [
-            self._training_batch([rollouts[i] for i in idx], advantages[idx])
-            for idx in np.array_split(order, parts)
-        ]
-
     def train_one_step(self, rollouts: list[Rollout], advantages: np.ndarray) -> dict[str, float]:
         """One trainer step on ``rollouts``: one optimizer update, or the loss's epochs over its
         minibatches (:class:`~marin_rl_core.protocols.LossPlan`), after the loss's
-        preparation. Returns the step's metrics (host floats; the means over its updates)."""
+        preparation (:class:`~marin_rl_core.learner.step_updates.StepUpdates`). Returns the
+        step's metrics (host floats; the means over its updates)."""
         self.group.send(STEP, self.step, rollouts, advantages)  # the same step on every process
-        batches = self._minibatches(rollouts, advantages)
+        batches = self.updates.minibatches(rollouts, advantages, step=self.step)
         start = self._enter("in a training step")
-        batches = self.learner.prepare(self.state, batches)
-        rng = np.random.default_rng([self.config.seed, self.step, 1])
-        totals: dict[str, list[float]] = {}
-        state, updates = self.state, 0
-        for epoch in range(self.plan.epochs):
-            order = rng.permutation(len(batches)) if epoch else range(len(batches))
-            for i in order:
-                # (read before the update, which donates them: a reduction, cheap beside a step)
-                finite = all_finite(state.model)
-                state, loss, out = self.learner.step(state, batches[i])
-                out["loss"] = loss
-                bad = [k for k in ("loss", "grad_norm") if k in out and not math.isfinite(out[k])]
-                if bad:
-                    many = self.plan.updates_per_step > 1
-                    where = f" (epoch {epoch + 1}, update {updates + 1})" if many else ""
-                    # The step's row, as far as it got, before the job stops.
-                    self._log({**out, "diverged": 1.0}, step=self.step + 1, source="train")
-                    raise TrainingDivergedError(
-                        non_finite_advice(
-                            f"training diverged at step {self.step + 1}{where}",
-                            bad,
-                            out,
-                            params_finite=finite,
-                            kept=self._kept(),
-                            loss=self.config.loss.name,
-                            precision=self.config.trainer.precision,
-                        )  # fmt: skip
-                    )
-                for name, value in out.items():
-                    totals.setdefault(name, []).append(value)
-                updates += 1
-        # Over the step's updates: counts summed over one pass, extremes kept, others averaged.
-        combine = {
-            "sum": lambda v: sum(v) / self.plan.epochs, "max": max, "min": min,
-            "mean": lambda v: sum(v) / len(v),
-        }  # fmt: skip
-        metrics = {name: combine[metric_reduction(name)](v) for name, v in totals.items()}
+        try:
+            state, metrics = self.updates.run(self.state, batches, step=self.step)
+        except NonFiniteUpdate as bad:
+            # The step's row, as far as it got, before the job stops.
+            self._log({**bad.metrics, "diverged": 1.0}, step=self.step + 1, source="train")
+            raise TrainingDivergedError(
+                non_finite_advice(
+                    f"training diverged at step {self.step + 1}{bad.where}",
+                    bad.bad,
+                    bad.metrics,
+                    params_finite=bad.params_finite,
+                    kept=self._kept(),
+                    loss=self.config.loss.name,
+                    precision=self.config.trainer.precision,
+                )  # fmt: skip
+            ) from None
         metrics["step_seconds"] = time.monotonic() - start
         self.state, self.step = state, self.step + 1
         self.group.done()
@@ -546,7 +441,9 @@ class Trainer:
         total = self.config.trainer.num_train_steps
         t = self.config.trainer
         self.publish()
-        warm_up = self._start_warm_up() if self.step < total else None
+        # (no warm-up in a trainer group: it places collectively)
+        warm = self.step < total and not self.group.grouped
+        warm_up = self.updates.start_warm_up(self.state) if warm else None
         # Seconds per stage, summed over the steps since the last logged row: each row holds
         # their means per step, so rows average to the true split whatever log_every is.
         stages: dict[str, float] = dict.fromkeys(STAGE_KEYS, 0.0)
