@@ -153,6 +153,13 @@ _OLD_LOSS_MEMBERS = (
 """Optional members of loss modules before :class:`LossPlan`; a module still declaring one is
 refused with the way to migrate (:func:`loss_plan`)."""
 
+_RENAMED = {
+    "needs_token_rewards": "token_rewards",
+    "update_epochs": "epochs",
+    "update_minibatches": "minibatches",
+}
+"""Their names in :class:`LossPlan`, where they changed."""
+
 
 @dataclasses.dataclass(frozen=True)
 class LossPlan:
@@ -228,7 +235,7 @@ def loss_plan(module: Any) -> LossPlan:
     kind = type(module).__name__
     old = [name for name in _OLD_LOSS_MEMBERS if hasattr(module, name)]
     if old:
-        listed = ", ".join(f"{name}=..." for name in old)
+        listed = ", ".join(f"{_RENAMED.get(name, name)}=..." for name in old)
         raise TypeError(
             f"loss module {kind} declares {', '.join(old)}: these are no longer read. Declare "
             f"them as one plan instead: `plan = marin_rl_core.LossPlan({listed})` (renamed: "

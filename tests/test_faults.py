@@ -552,6 +552,39 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path
     assert _train_steps(run_dir) == [1, 2, 3]
 
 
+def test_a_late_event_loop_is_closed_report_stays_off_the_console(tmp_path):
+    """Issue 51: after a damaged checkpoint, TensorStore reads still in flight finish on its
+    threads and find their event loop closed; Python reports that as an unraisable exception,
+    a bare traceback on the console of ``marinrl eval`` (once in four under load). The
+    ``marinrl`` command routes exactly those to the log; any other unraisable exception is
+    still reported."""
+    code = (
+        "import logging, sys\n"
+        "from marin_rl_core.cli import main\n"
+        "logging.basicConfig(filename=sys.argv[1], level=logging.DEBUG)\n"
+        "class Late:\n"
+        "    def __del__(self):\n"
+        "        raise RuntimeError('Event loop is closed')\n"
+        "class Bug:\n"
+        "    def __del__(self):\n"
+        "        raise ValueError('a real bug')\n"
+        "sys.argv = ['marinrl', 'plugins', 'list', '--kind', 'loss']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "Late(); Bug()\n"
+    )
+    log = tmp_path / "run.log"
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=120
+    )
+    assert "rloo" in result.stdout, result.stderr  # the command ran
+    assert "Event loop is closed" not in result.stderr
+    assert "ValueError: a real bug" in result.stderr
+    assert "Event loop is closed" in log.read_text()
+
+
 def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
     cli, tmp_path, tiny_mock_job
 ):

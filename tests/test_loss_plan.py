@@ -70,7 +70,7 @@ def test_a_loss_with_members_the_plan_replaced_is_refused_before_the_run_starts(
     assert result.returncode == ExitCode.CONFIG, result.stderr[-3000:]
     assert "the 'old' loss plugin's plan" in out, out
     assert "declares aggregation, update_epochs" in out, out
-    assert "plan = marin_rl_core.LossPlan(aggregation=..., update_epochs=...)" in out, out
+    assert "plan = marin_rl_core.LossPlan(aggregation=..., epochs=...)" in out, out
     assert "update_epochs -> epochs" in out and "docs/losses.md" in out, out
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "runs").exists(), "nothing is written for a refused run"
