@@ -11,13 +11,33 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
 
-from marin_rl_core.errors import ExitCode, MarinRLError
+from marin_rl_core.cli.options import (
+    CONFIG_PANEL,
+    ConfigOpt,
+    CurriculumOpt,
+    DisableOpt,
+    EngineOpt,
+    EnvOpt,
+    LossOpt,
+    ModelOpt,
+    PluginOpt,
+    SetOpt,
+    StorageOpt,
+    WeightTransferOpt,
+    before_subcommand,
+    err,
+    guarded,
+    model_override,
+    registry_for,
+    resolve,
+)
+from marin_rl_core.errors import ExitCode
 from marin_rl_core.hookspecs import PROJECT, RECORD_TYPES
 
 app = typer.Typer(
@@ -32,141 +52,6 @@ config_app = typer.Typer(help="Show and check run configs.", no_args_is_help=Tru
 app.add_typer(plugins_app, name="plugins")
 app.add_typer(config_app, name="config")
 
-PLUGINS_PANEL = "Plugins"
-SELECT_PANEL = "Plugin selection"
-CONFIG_PANEL = "Configuration"
-
-PluginOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--plugin",
-        help="Load an extra plugin module (import path). Repeatable.",
-        rich_help_panel=PLUGINS_PANEL,
-    ),
-]
-DisableOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--disable-plugin",
-        help="Skip an installed plugin by its entry-point name. Repeatable.",
-        rich_help_panel=PLUGINS_PANEL,
-    ),
-]
-ConfigOpt = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--config",
-        "-c",
-        help="A run config (.toml or .yaml). Repeatable; later files win.",
-        rich_help_panel=CONFIG_PANEL,
-    ),
-]
-
-
-def _check_set(values: list[str] | None) -> list[str] | None:
-    """``--set`` takes ``KEY=VALUE`` as one argument: ``--set trainer.num_train_steps 5`` would
-    otherwise end in click's "unexpected extra argument (5)"."""
-    for value in values or ():
-        if "=" not in value:
-            raise typer.BadParameter(
-                f"--set takes KEY=VALUE as one argument, got {value!r}: write "
-                f"--set {value}=VALUE (no spaces around '=')"
-            )
-    return values
-
-
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--set",
-        help="Override one value: --set loss.kl_coef=0.05 (TOML value syntax). Repeatable.",
-        rich_help_panel=CONFIG_PANEL,
-        callback=_check_set,
-    ),
-]
-
-
-def _select(kind: str) -> Any:
-    return typer.Option(
-        f"--{kind.replace('_', '-')}",
-        help=f"The {kind.replace('_', ' ')} plugin to use (see `marinrl plugins list --kind {kind}`).",
-        rich_help_panel=SELECT_PANEL,
-    )
-
-
-ModelOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--model",
-        help="A Hugging Face checkpoint to train: a local directory or a hub id "
-        "(Qwen/Qwen3-0.6B). Shorthand for --set model.checkpoint=...",
-        rich_help_panel=CONFIG_PANEL,
-    ),
-]
-EnvOpt = Annotated[str | None, _select("env")]
-LossOpt = Annotated[str | None, _select("loss")]
-StorageOpt = Annotated[str | None, _select("storage")]
-WeightTransferOpt = Annotated[str | None, _select("weight_transfer")]
-CurriculumOpt = Annotated[str | None, _select("curriculum")]
-EngineOpt = Annotated[str | None, _select("engine")]
-
-T = TypeVar("T")
-
-
-def _err(message: str) -> None:
-    typer.echo(f"error: {message}", err=True)
-
-
-def _guarded(fn: Callable[[], T]) -> T:
-    """Run ``fn``; a user-caused error becomes a message and its exit code."""
-    try:
-        return fn()
-    except MarinRLError as exc:
-        _err(str(exc))
-        raise typer.Exit(int(exc.exit_code)) from None
-
-
-def _registry(plugin: list[str] | None, disable: list[str] | None):  # type: ignore[no-untyped-def]
-    """The registry for a command: its own ``--plugin``/``--disable-plugin`` flags plus those
-    given before the subcommand (``marinrl --plugin m run ...``)."""
-    from marin_rl_core.registry import build_registry
-
-    extra = [*_before_subcommand["plugin"], *(plugin or ())]
-    blocked = [*_before_subcommand["disable_plugin"], *(disable or ())]
-    return build_registry(extra=dict.fromkeys(extra), blocked=dict.fromkeys(blocked))
-
-
-# The --plugin / --disable-plugin flags given before the subcommand; set by the root callback at
-# every invocation.
-_before_subcommand: dict[str, list[str]] = {"plugin": [], "disable_plugin": []}
-
-
-def _resolve(
-    registry: Any,
-    *,
-    config: list[Path] | None,
-    set_: list[str] | None,
-    selections: dict[str, str | None],
-    extra_overrides: list[str] = (),  # type: ignore[assignment]
-):  # type: ignore[no-untyped-def]
-    from marin_rl_core.config.loading import resolve_config
-
-    notes: list[str] = []
-    resolved = resolve_config(
-        registry,
-        files=config or (),
-        selections=selections,
-        overrides=[*(set_ or ()), *extra_overrides],
-        notes=notes,
-    )
-    for note in notes:
-        typer.echo(note, err=True)
-    return resolved
-
-
-def _model_override(model: str | None) -> list[str]:
-    return [] if model is None else [f"model.checkpoint={json.dumps(model)}"]
-
 
 @app.callback()
 def main_callback(plugin: PluginOpt = None, disable_plugin: DisableOpt = None) -> None:
@@ -175,8 +60,8 @@ def main_callback(plugin: PluginOpt = None, disable_plugin: DisableOpt = None) -
     Every concrete piece (envs, losses, rollout storage, weight transfer, curricula) is a plugin;
     `marinrl plugins list` shows what is installed. Docs: docs/index.md.
     """
-    _before_subcommand["plugin"] = list(plugin or ())
-    _before_subcommand["disable_plugin"] = list(disable_plugin or ())
+    before_subcommand["plugin"] = list(plugin or ())
+    before_subcommand["disable_plugin"] = list(disable_plugin or ())
 
 
 @app.command()
@@ -208,19 +93,19 @@ def run(
     disable_plugin: DisableOpt = None,
 ) -> None:
     """Train: launch a trainer and rollout workers as a Ray job."""
-    overrides = _model_override(model)
+    overrides = model_override(model)
     if ray_address is not None:
         overrides.append(f"ray_address={json.dumps(ray_address)}")
     if run_id is not None:
         overrides.append(f"run_id={json.dumps(run_id)}")
 
     def go() -> None:
-        registry = _registry(plugin, disable_plugin)
+        registry = registry_for(plugin, disable_plugin)
         files = config
         if resume is not None:
             files = [_resume_config(resume, config=config, run_id=run_id, model=model)]
             overrides.extend(_resume_overrides(resume))
-        cfg = _resolve(
+        cfg = resolve(
             registry,
             config=files,
             set_=set_,
@@ -236,7 +121,7 @@ def run(
         )
         _train(cfg, registry)
 
-    _guarded(go)
+    guarded(go)
 
 
 @plugins_app.command("list")
@@ -262,7 +147,7 @@ def plugins_list(
         )
 
     def go() -> None:
-        registry = _registry(plugin, disable_plugin)
+        registry = registry_for(plugin, disable_plugin)
         rows = []
         for entry in registry.entries(kind):
             hooks = sorted(
@@ -300,7 +185,7 @@ def plugins_list(
         if registry.disabled:
             typer.echo(f"disabled: {', '.join(registry.disabled)}")
 
-    _guarded(go)
+    guarded(go)
 
 
 @config_app.command("show")
@@ -323,8 +208,8 @@ def config_show(
     def go() -> None:
         from marin_rl_core.config.converter import dump_config
 
-        registry = _registry(plugin, disable_plugin)
-        cfg = _resolve(
+        registry = registry_for(plugin, disable_plugin)
+        cfg = resolve(
             registry,
             config=config,
             set_=set_,
@@ -336,11 +221,11 @@ def config_show(
                 "curriculum": curriculum,
                 "engine": engine,
             },
-            extra_overrides=_model_override(model),
+            extra_overrides=model_override(model),
         )
         typer.echo(dump_config(cfg, registry, fmt=fmt), nl=False)
 
-    _guarded(go)
+    guarded(go)
 
 
 @config_app.command("validate")
@@ -352,11 +237,11 @@ def config_validate(
     """Check a config file: keys, types, plugin names, curriculum; exit 0 when valid."""
 
     def go() -> None:
-        registry = _registry(plugin, disable_plugin)
-        _resolve(registry, config=[file], set_=None, selections={})
+        registry = registry_for(plugin, disable_plugin)
+        resolve(registry, config=[file], set_=None, selections={})
         typer.echo(f"{file}: valid")
 
-    _guarded(go)
+    guarded(go)
 
 
 def _resume_config(
@@ -399,7 +284,7 @@ def _train(cfg: Any, registry: Any) -> None:
     plot = plot_reward_curve(result.run_dir)
     typer.echo(f"reward curve: {plot}", err=True)
     if result.interrupted:
-        _err(
+        err(
             f"interrupted at step {result.final_step}; a checkpoint was saved. Resume with:\n"
             f"  {job.resume_command()}"
         )
@@ -466,7 +351,7 @@ def eval_command(
             run_config_file(where)
         from marin_rl_core.job.evaluation import evaluate_checkpoint
 
-        registry = _registry(plugin, disable_plugin)
+        registry = registry_for(plugin, disable_plugin)
         try:
             with _log_to_run(checkpoint, "eval.log"):
                 results = evaluate_checkpoint(checkpoint, registry, n_examples=n_examples)
@@ -496,7 +381,7 @@ def eval_command(
             table.add_row(lesson, reward, str(row["n"]), *cells)
         Console().print(table)
 
-    _guarded(go)
+    guarded(go)
 
 
 @app.command()
@@ -515,14 +400,14 @@ def export(
     def go() -> None:
         from marin_rl_core.learner.export import export_hf
 
-        registry = _registry(plugin, disable_plugin)
+        registry = registry_for(plugin, disable_plugin)
         out, trained_step = export_hf(run_dir, out_dir, registry, step=step)
         typer.echo(
             f"exported step {trained_step} of {run_dir} to {out}\n"
             f"  load it: AutoModelForCausalLM.from_pretrained({str(out)!r})"
         )
 
-    _guarded(go)
+    guarded(go)
 
 
 @app.command()
@@ -549,7 +434,7 @@ def report(
         Console().print(render_summary(summary))
         typer.echo(f"reward curve: {plot_reward_curve(run_dir)}")
 
-    _guarded(go)
+    guarded(go)
 
 
 def main() -> None:
@@ -561,7 +446,7 @@ def main() -> None:
     try:
         app()
     except KeyboardInterrupt:
-        _err("interrupted")
+        err("interrupted")
         sys.exit(int(ExitCode.INTERRUPTED))
     except Exception as exc:  # noqa: BLE001 - the last line of defence
         import tempfile
@@ -575,7 +460,7 @@ def main() -> None:
         except OSError:
             where = "The traceback could not be written"
         first = (str(exc).strip().splitlines() or [""])[0]
-        _err(
+        err(
             f"unexpected {type(exc).__name__}: {first}. {where}; this is a marinrl bug: please "
             "report it with that file."
         )
