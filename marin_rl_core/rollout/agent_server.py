@@ -8,13 +8,8 @@ the same key, so a call is attributed to its episode by either, and the agent's 
 know nothing.
 
 * Batching: the calls of all running episodes wait together and are sampled in the worker's
-  generation calls (the sampler the worker trains with, on its current weights). A batch goes
-  as soon as a cohort of the open episodes (``1 / episodes.generation_cohorts`` of them) has a
-  call waiting, so that one cohort's calls gather while another's are sampled, or after a hold:
-  ``episodes.agent_batch_window_s``, or half the last generation call's time if that is longer.
-  One generation call takes at most a cohort's share of calls; those that gathered past it go
-  in the next, so that calls' heights stay regular (fewer prefill shapes, less padding).
-  Calls of any temperature and length budget share a generation call, each with its own.
+  generation calls (the sampler the worker trains with, on its current weights), a cohort of
+  episodes' calls at a time (:mod:`~marin_rl_core.rollout.agent_batching`).
 * Recording: each call's prompt ids, sampled ids and log-probabilities go into the episode's
   :class:`~marin_rl_core.rollout.agent_transcript.Transcript`, which builds the next call's
   prompt from them.
@@ -45,7 +40,6 @@ from typing import Any
 import attrs
 import numpy as np
 
-from marin_rl_core.generation import GenerationRequest
 from marin_rl_core.rollout.agent_api import (
     APIError,
     Request,
@@ -54,6 +48,7 @@ from marin_rl_core.rollout.agent_api import (
     response_body,
     stream_events,
 )
+from marin_rl_core.rollout.agent_batching import AgentCall, CallBatcher
 from marin_rl_core.rollout.agent_transcript import Transcript
 from marin_rl_core.rollout.episode_state import episode_seed, span_weight_steps
 
@@ -91,15 +86,6 @@ class AgentSession:
     lock: threading.Lock = attrs.field(factory=threading.Lock)
 
 
-@attrs.define(eq=False)
-class _Job:
-    session: AgentSession
-    prompt: list[int]
-    seeds: list[int]
-    key: tuple[float, int, tuple[int, ...]]  # the call's temperature, budget and stop ids
-    future: asyncio.Future[Any]
-
-
 class AgentServer:
     """The endpoint (see the module docstring).
 
@@ -134,20 +120,35 @@ class AgentServer:
         self.max_seq_len = max_seq_len
         self.model_name = model_name
         self.host, self.port = host, port
-        self.batch_window_s = batch_window_s
-        self.cohorts = max(1, cohorts)
         self._sessions: dict[str, AgentSession] = {}
         self._closed: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._pending: list[_Job] = []
-        self._wake: asyncio.Event | None = None
-        self.generate_seconds = 0.0
-        self.generate_calls = 0
-        self.largest_call = 0  # the most agent calls one generation call served
-        self._last_generate_s = 0.0
+        self.batcher = CallBatcher(
+            submit, batch_window_s=batch_window_s, cohorts=cohorts, open_episodes=self._open
+        )
+        """Batches the episodes' calls into generation calls
+        (:mod:`~marin_rl_core.rollout.agent_batching`)."""
         self.requests = 0
+
+    def _open(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    @property
+    def generate_seconds(self) -> float:
+        """Seconds spent in generation calls for the agents' calls."""
+        return self.batcher.generate_seconds
+
+    @property
+    def generate_calls(self) -> int:
+        return self.batcher.generate_calls
+
+    @property
+    def largest_call(self) -> int:
+        """The most agent calls one generation call served."""
+        return self.batcher.largest_call
 
     # --- life -------------------------------------------------------------------------------
 
@@ -173,8 +174,8 @@ class AgentServer:
                 loop.run_until_complete(site.start())
                 server = site._server  # noqa: SLF001 - the bound port of port 0
                 self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
-                self._wake = asyncio.Event()
-                batcher = loop.create_task(self._batches())
+                self.batcher.wake = asyncio.Event()
+                batcher = loop.create_task(self.batcher.run())
             except BaseException as exc:  # noqa: BLE001 - raised in start()
                 failed.append(exc)
                 ready.set()
@@ -257,7 +258,7 @@ class AgentServer:
             self._closed[session.key] = reason
             while len(self._closed) > _CLOSED_KEPT:
                 self._closed.popitem(last=False)
-        loop, wake = self._loop, self._wake
+        loop, wake = self._loop, self.batcher.wake
         if loop is not None and wake is not None and not loop.is_closed():
             try:
                 loop.call_soon_threadsafe(wake.set)  # the others may all be waiting now
@@ -437,18 +438,15 @@ class AgentServer:
             call = session.calls
             session.calls += 1
         budget = min(request.max_tokens, room)
-        loop = asyncio.get_running_loop()
-        job = _Job(
-            session=session,
+        job = AgentCall(
+            episode=session.key,
             prompt=list(context.ids),
             seeds=self._seeds(session, request, call),
-            key=(float(request.temperature), int(budget), session.stop_ids),
-            future=loop.create_future(),
+            settings=(float(request.temperature), int(budget), session.stop_ids),
+            future=asyncio.get_running_loop().create_future(),
         )
         started = time.perf_counter()
-        self._pending.append(job)
-        assert self._wake is not None
-        self._wake.set()
+        self.batcher.add(job)
         samples = await job.future
         session.wait_seconds += time.perf_counter() - started
         response_id = f"{'chatcmpl' if request.kind == 'chat' else 'cmpl'}-{secrets.token_hex(8)}"
@@ -493,79 +491,6 @@ class AgentServer:
             prompt_ids=list(context.ids),
             choices=[c for c, _, _ in choices],
         )
-
-    # --- batching -----------------------------------------------------------------------------
-
-    def _cohort_waiting(self) -> bool:
-        """Whether a cohort's share of the open episodes (all of them: ``cohorts = 1``) has a
-        call waiting."""
-        waiting = len({job.session.key for job in self._pending})
-        with self._lock:
-            return waiting * self.cohorts >= len(self._sessions)
-
-    async def _batches(self) -> None:
-        assert self._wake is not None
-        wake = self._wake
-        while True:
-            await wake.wait()
-            wake.clear()
-            if not self._pending:
-                continue
-            # Batch until a cohort of the open episodes has a call waiting (their calls trickle
-            # in as the agents read the last replies, or start; while one cohort is sampled the
-            # next gathers), or for the hold: the window, or half the last generation call if
-            # longer (fuller calls for at most 1.5x the latency).
-            hold = max(self.batch_window_s, 0.5 * self._last_generate_s)
-            deadline = time.monotonic() + hold
-            while not self._cohort_waiting():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                wake.clear()
-                try:
-                    await asyncio.wait_for(wake.wait(), left)
-                except TimeoutError:
-                    break
-            # At most a cohort's share per call (as in-process cohorts are): calls that gathered
-            # past it go in the next, so the calls' shapes stay regular.
-            with self._lock:
-                largest = max(1, -(-len(self._sessions) // self.cohorts))
-            jobs, self._pending = self._pending[:largest], self._pending[largest:]
-            self.largest_call = max(self.largest_call, len(jobs))
-            await self._sample(jobs)  # each call's own settings: one generation call for all
-            if self._pending:
-                wake.set()
-
-    async def _sample(self, jobs: list[_Job]) -> None:
-        requests = [
-            GenerationRequest(
-                prompt=job.prompt,
-                temperature=job.key[0],
-                max_tokens=job.key[1],
-                stop_tokens=job.key[2],
-                seed=seed % 2**32,
-            )
-            for job in jobs
-            for seed in job.seeds
-        ]
-        start = time.perf_counter()
-        try:
-            out = await asyncio.wrap_future(self._submit(requests))
-        except Exception as exc:  # noqa: BLE001 - each waiting call answers with it
-            for job in jobs:
-                if not job.future.done():
-                    job.future.set_exception(exc)
-            return
-        finally:
-            self._last_generate_s = time.perf_counter() - start
-            self.generate_seconds += self._last_generate_s
-            self.generate_calls += 1
-        at = 0
-        for job in jobs:
-            samples = [out[at + k][0] for k in range(len(job.seeds))]
-            at += len(job.seeds)
-            if not job.future.done():
-                job.future.set_result(samples)
 
 
 __all__ = ["AgentServer", "AgentSession"]
