@@ -107,7 +107,7 @@ class AgentEnv(Protocol):
     the program calls ``/v1/chat/completions`` or ``/v1/completions`` as often as it likes (up
     to the episode's limits), and every call is sampled from the current policy, batched with
     the other episodes' calls, and recorded as the exact ids the policy saw and sampled
-    (:mod:`marin_rl_core.rollout.agent_transcript`). When the program returns, the episode is
+    (:mod:`marin_rl_core.rollout.transcript`). When the program returns, the episode is
     scored and its calls become its training samples. See docs/agents.md.
 
     ``run_agent`` may be a plain function (run on a thread of its own: use ``openai.OpenAI``),

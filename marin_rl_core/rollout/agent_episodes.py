@@ -7,7 +7,7 @@ its own), runs ``env.run_agent(problem, endpoint)`` (a plain function on a threa
 one on the runner's loop, or the subprocess an :class:`~marin_rl_core.types.AgentCommand`
 describes), scores the result (``env.score(problem, result)``, or the result itself), closes the
 session and builds the episode's training samples from its transcript
-(:mod:`~marin_rl_core.rollout.agent_transcript`).
+(:mod:`~marin_rl_core.rollout.transcript`).
 
 * An agent that raises, exits non-zero, or is still running at ``episodes.episode_timeout_s``
   fails its episode (a thread stuck in a sync agent is left behind, a subprocess is killed) and
@@ -35,9 +35,9 @@ from marin_rl_core.config.schema import EpisodesConfig
 from marin_rl_core.models.tokenizer import response_stop_ids
 from marin_rl_core.rollout.agent_api import template_messages
 from marin_rl_core.rollout.agent_server import AgentServer, AgentSession
-from marin_rl_core.rollout.agent_transcript import Transcript
 from marin_rl_core.rollout.env_calls import EnvCalls
 from marin_rl_core.rollout.episode_state import EpisodeFailure, EpisodeResult
+from marin_rl_core.rollout.transcript import Transcript
 from marin_rl_core.types import AgentCommand, AgentEndpoint, Problem, SamplingParams, as_score
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ know nothing.
   generation calls (the sampler the worker trains with, on its current weights), a cohort of
   episodes' calls at a time (:mod:`~marin_rl_core.rollout.agent_batching`).
 * Recording: each call's prompt ids, sampled ids and log-probabilities go into the episode's
-  :class:`~marin_rl_core.rollout.agent_transcript.Transcript`, which builds the next call's
+  :class:`~marin_rl_core.rollout.transcript.Transcript`, which builds the next call's
   prompt from them.
 * Limits: ``episodes.max_turns`` calls, ``episodes.max_episode_tokens`` sampled tokens, and
   ``model.max_seq_len`` per call; a call past one is refused (400, code ``episode_limit`` or
@@ -49,8 +49,8 @@ from marin_rl_core.rollout.agent_api import (
     stream_events,
 )
 from marin_rl_core.rollout.agent_batching import AgentCall, CallBatcher
-from marin_rl_core.rollout.agent_transcript import Transcript
 from marin_rl_core.rollout.episode_state import episode_seed, span_weight_steps
+from marin_rl_core.rollout.transcript import Transcript
 
 logger = logging.getLogger(__name__)
 

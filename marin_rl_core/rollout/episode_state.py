@@ -4,7 +4,7 @@ tokens kept as sampled and recorded (:func:`take_action`), an observation's toke
 them or a new training sample started (:func:`observe`), the episode's training samples built at
 its end (:func:`episode_rollouts`).
 
-The record is the same :class:`~marin_rl_core.rollout.agent_transcript.Transcript` an agent
+The record is the same :class:`~marin_rl_core.rollout.transcript.Transcript` an agent
 episode keeps of its calls (one bookkeeper of exact tokens): each action is a call whose prompt
 is the episode's tokens so far, continuing the previous action's sample unless a chat template
 rewrote the past (a ``"template"`` split: a new sample whose prompt is the fresh rendering)."""
@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 
 from marin_rl_core.protocols import Env, Episode, MultiTurnEnv, is_agent_env
-from marin_rl_core.rollout.agent_transcript import Context, Transcript
+from marin_rl_core.rollout.transcript import Context, Transcript
 from marin_rl_core.types import Action, Problem, Rollout, Step, as_score
 
 # --- the single-turn adapter ----------------------------------------------------------------------
@@ -92,7 +92,7 @@ class EpisodeResult:
         env_step_seconds: time spent in ``step`` calls.
         env_calls: ``step`` calls (an agent episode's: its calls to the policy).
         splits: an agent episode's extra training samples, by reason (``"fork"``,
-            ``"template"``, ``"branch"``: :class:`~marin_rl_core.rollout.agent_transcript.Transcript`).
+            ``"template"``, ``"branch"``: :class:`~marin_rl_core.rollout.transcript.Transcript`).
         weight_steps: ``(oldest, newest)`` weight step of the weights that sampled its tokens,
             when the engine says (it took new weights while rows decoded); ``None``: the
             batch's weights sampled all of it.

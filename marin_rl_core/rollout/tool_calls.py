@@ -4,7 +4,7 @@ them (``message.tool_calls``, ``finish_reason = "tool_calls"``).
 Qwen2.5/Qwen3 and the Hermes-style templates (``<tool_call>`` blocks holding
 ``{"name": ..., "arguments": {...}}``) are parsed here; their chat templates render the
 ``tool_calls`` of an assistant message back into the same blocks, so a conversation the agent
-sends back renders to the tokens the policy sampled (:mod:`~marin_rl_core.rollout.agent_transcript`
+sends back renders to the tokens the policy sampled (:mod:`~marin_rl_core.rollout.transcript`
 checks it). A block that is not valid JSON, or lacks a name, is left in the text: the agent sees
 what the policy wrote, and the call is not invented.
 """

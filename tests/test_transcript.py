@@ -1,5 +1,5 @@
-"""The token-exact record of an agent's calls (``rollout/agent_transcript.py``), with a real
-Hugging Face tokenizer and chat template: calls that extend each other make one training sample
+"""The token-exact record of an agent's calls (``rollout/transcript.py``, the one bookkeeper of
+every episode's exact tokens), with a real Hugging Face tokenizer and chat template: calls that extend each other make one training sample
 holding exactly the sampled ids and log-probabilities; an edited history, a template that
 rewrites the past, and a second choice each start a sample of their own, counted."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from marin_rl_core.rollout.agent_transcript import Transcript, canonical_message
+from marin_rl_core.rollout.transcript import Transcript, canonical_message
 from marin_rl_core.testing import tiny_chat_tokenizer
 
 
