@@ -14,11 +14,28 @@ def _install(session: nox.Session, extra: str) -> None:
     session.install("-e", f".[{extra}]")
 
 
+def _test_halves() -> list[list[str]]:
+    """The test files in two halves, each run by a pytest process of its own. The whole suite in
+    one process (700+ tests, each leaving its XLA clients, Flight servers and the daemon threads
+    the timeout tests leave stuck) has ended in a segfault in its last minutes, never a file run
+    on its own (docs/development.md)."""
+    from pathlib import Path
+
+    files = sorted(str(p) for p in Path("tests").glob("test_*.py"))
+    middle = len(files) // 2
+    return [files[:middle], files[middle:]]
+
+
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Run the fast test suite (everything not marked slow)."""
+    """Run the fast test suite (everything not marked slow), in two pytest processes; with
+    arguments (``nox -s tests -- tests/test_x.py -k y``), pytest on those alone."""
     _install(session, "test")
-    session.run("pytest", *session.posargs)
+    if session.posargs:
+        session.run("pytest", *session.posargs)
+        return
+    for half in _test_halves():
+        session.run("pytest", *half)
 
 
 @nox.session(python=PYTHON, default=False)

@@ -1,7 +1,8 @@
 """The token-exact record of an agent's calls (``rollout/transcript.py``, the one bookkeeper of
-every episode's exact tokens), with a real Hugging Face tokenizer and chat template: calls that extend each other make one training sample
-holding exactly the sampled ids and log-probabilities; an edited history, a template that
-rewrites the past, and a second choice each start a sample of their own, counted."""
+every episode's exact tokens), with a real Hugging Face tokenizer and chat template: calls that
+extend each other make one training sample holding exactly the sampled ids and
+log-probabilities; an edited history, a template that rewrites the past, and a second choice
+each start a sample of their own, counted."""
 
 from __future__ import annotations
 
