@@ -1,7 +1,8 @@
 """The third-party path: pip-install the example plugin packages and use their envs by name
 (``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn;
-``examples/marinrl-agent-calculator``, an agent program) and the example loss
-(``examples/marinrl-reinforce``)."""
+``examples/marinrl-agent-calculator``, an agent program), the example loss
+(``examples/marinrl-reinforce``), storage (``examples/marinrl-sqlite-storage``) and engine
+(``examples/marinrl-reference-engine``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "marinrl-echo"
 COUNTDOWN = EXAMPLE.parent / "marinrl-countdown"
 REINFORCE = EXAMPLE.parent / "marinrl-reinforce"
 AGENT_CALCULATOR = EXAMPLE.parent / "marinrl-agent-calculator"
+SQLITE_STORAGE = EXAMPLE.parent / "marinrl-sqlite-storage"
+REFERENCE_ENGINE = EXAMPLE.parent / "marinrl-reference-engine"
 
 
 def pip_install(example: Path, target: Path) -> Path:
@@ -61,6 +64,16 @@ def installed_agent_calculator(tmp_path_factory: pytest.TempPathFactory) -> Path
 @pytest.fixture(scope="module")
 def installed_reinforce(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return pip_install(REINFORCE, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def installed_sqlite_storage(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(SQLITE_STORAGE, tmp_path_factory.mktemp("site"))
+
+
+@pytest.fixture(scope="module")
+def installed_reference_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(REFERENCE_ENGINE, tmp_path_factory.mktemp("site"))
 
 
 def site_env(site: Path) -> dict[str, str]:
@@ -222,6 +235,66 @@ def test_the_custom_loss_example_trains_through_marinrl_run(
     # The loss's own per-token metric, weighed over each step by the framework.
     assert all(0 < r["importance_weight"] <= 2.0 for r in train)
     assert all(r["num_tokens"] > 0 for r in train)
+
+
+# --- the custom storage example ------------------------------------------------------------------
+
+
+def test_the_custom_storage_example_passes_its_own_tests(installed_sqlite_storage):
+    """The contract check, a round trip, a retried write delivered once, a resumed reader and
+    back-pressure, run as the package's author runs them."""
+    run_own_tests(SQLITE_STORAGE, installed_sqlite_storage)
+
+
+def test_the_custom_storage_example_carries_a_run_through_marinrl_run(
+    installed_sqlite_storage, tiny_mock_job, tmp_path
+):
+    """``marinrl run --storage sqlite``: the trainer and the rollout worker, each in its own Ray
+    process, meet through the run directory's SQLite file."""
+    import sqlite3
+
+    from marin_rl_core.metrics import read_metrics
+
+    result = marinrl(
+        installed_sqlite_storage, "run", *tiny_mock_job, "--storage", "sqlite",
+        "--set", "trainer.num_train_steps=3", "--set", f'run_dir="{tmp_path}"',
+        "--run-id", "custom-storage",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    train = [r for r in read_metrics(tmp_path / "custom-storage") if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    with sqlite3.connect(tmp_path / "custom-storage" / "rollouts.sqlite") as db:
+        (stored,) = db.execute("SELECT COUNT(*) FROM batches").fetchone()
+    assert stored >= 1
+
+
+# --- the custom engine example -------------------------------------------------------------------
+
+
+def test_the_custom_engine_example_passes_its_own_tests(installed_reference_engine):
+    """marinrl's engine contract check (logprobs equal to the trainer's on a tiny model) and
+    greedy samples equal to the ``dense`` engine's, run as the package's author runs them."""
+    run_own_tests(REFERENCE_ENGINE, installed_reference_engine)
+
+
+@pytest.mark.slow  # its contract and own tests run by default; this is the full job
+def test_the_custom_engine_example_samples_a_run_through_marinrl_run(
+    installed_reference_engine, tiny_mock_job, tmp_path
+):
+    import tomllib
+
+    from marin_rl_core.metrics import read_metrics
+
+    result = marinrl(
+        installed_reference_engine, "run", *tiny_mock_job, "--engine", "reference",
+        "--set", "trainer.num_train_steps=2", "--set", f'run_dir="{tmp_path}"',
+        "--run-id", "custom-engine",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "custom-engine"
+    assert tomllib.loads((run_dir / "config.toml").read_text())["engine"]["name"] == "reference"
+    train = [r for r in read_metrics(run_dir) if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2]
 
 
 # --- the agent example ---------------------------------------------------------------------------
