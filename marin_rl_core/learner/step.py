@@ -254,7 +254,7 @@ class Learner:
         if (
             state_learning_rate is not None
             or self.plan.updates_per_step > 1
-            or (self.plan.frozen_policy_steps)
+            or self.plan.frozen_policy_steps > 0
         ):
             self.optimizer = make_optimizer(
                 self.config,

@@ -142,7 +142,7 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
     tokens = [int(t) for t in sample.tokens]
     if not tokens:
         raise EpisodeFailure("error", "the sampler returned an empty action")
-    steps = sample.weight_steps
+    steps, truncated = sample.weight_steps, not sample.stopped
     live.transcript.record(
         Context(live.tokens, live.parent, live.split),
         (),
@@ -150,13 +150,12 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
         tokens,
         [float(x) for x in sample.logprobs],
         weight_step=steps[0] if steps else 0,
-        truncated=not sample.stopped,
+        truncated=truncated,
     )
     live.parent, live.split = len(live.transcript.calls) - 1, None
     live.tokens = [*live.tokens, *tokens]
     live.turn += 1
     live.result.weight_steps = span_weight_steps(live.result.weight_steps, steps)
-    truncated = not sample.stopped
     live.truncated = truncated
     text = tokenizer.decode([t for t in tokens if t not in stop_set])
     live.messages.append({"role": "assistant", "content": text})
