@@ -109,6 +109,11 @@ LAZY: dict[str, tuple[str, str]] = {
     "SamplingEngine": ("marin_rl_core.rollout.inference", "SamplingEngine"),
     "DenseSampler": ("marin_rl_core.rollout.dense_sampler", "DenseSampler"),
     "auto_engine_name": ("marin_rl_core.rollout.samplers", "auto_engine_name"),
+    # an engine of one's own: the trainer's logits, its token draws and keys, the request checks
+    "next_token_logits": ("marin_rl_core.models.logprobs", "next_token_logits"),
+    "draw_next_tokens": ("marin_rl_core.rollout.next_token", "draw_next_tokens"),
+    "row_keys": ("marin_rl_core.rollout.inference", "row_keys"),
+    "check_requests": ("marin_rl_core.rollout.inference", "check_requests"),
 }  # fmt: skip
 """Public names imported on first use: ``name -> (module, attribute)``."""
 

@@ -64,3 +64,12 @@ def test_every_public_name_resolves_and_importing_the_api_pulls_in_no_jax():
     assert "jax" in out.stdout
     with pytest.raises(AttributeError, match="has no attribute 'NoSuchThing'"):
         marin_rl_core.NoSuchThing  # noqa: B018
+
+
+def test_every_lazily_imported_name_is_in_the_authors_table():
+    """A name added to the public API is one authors can find: writing-plugins.md lists it."""
+    import marin_rl_core
+
+    doc = (ROOT / "docs" / "writing-plugins.md").read_text()
+    missing = [name for name in marin_rl_core.LAZY if f"`{name}" not in doc]
+    assert not missing, f"public names docs/writing-plugins.md does not mention: {missing}"

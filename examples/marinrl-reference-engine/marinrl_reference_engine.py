@@ -5,13 +5,18 @@ full forward pass of the policy over that row's tokens so far. That is slow (the
 the square of the length), and it makes the engine contract easy to read off the code:
 
 * **one key per row**: ``fold_in(PRNGKey(seed), fold)`` (no fold when ``fold < 0``), then the
-  sample's index, then the token's index. A row's forward pass sees only its own tokens, so the
-  same key, prompt and weights give the same samples, whatever else the call holds;
+  sample's index (``row_keys``); token ``j`` is drawn with ``fold_in(row_key, j)``
+  (``draw_next_tokens``). A row's forward pass sees only its own tokens, so the same key, prompt
+  and weights give the same samples, whatever else the call holds;
 * **stop ids and budget**: a response ends at EOS or one of the request's ``stop_tokens``
-  (``stopped``), or after ``max_tokens``, lowered to fit ``max_seq_len``;
-* **logprobs equal the trainer's**: the logits are the final hidden state times the LM head in
-  float32, as the trainer computes them, and a token's logprob is ``log_softmax(logits / T)``
-  (``T = 1`` for greedy rows, ``temperature = 0``: the argmax).
+  (``stopped``), or after ``max_tokens``, lowered to fit ``max_seq_len``; a request the engine
+  cannot serve is refused naming the limit (``check_requests``);
+* **logprobs equal the trainer's**: the logits are the trainer's (``next_token_logits``: the
+  same forward pass and float32 projection), and a token's logprob is ``log_softmax(logits /
+  T)`` (``T = 1`` for greedy rows, ``temperature = 0``: the argmax).
+
+These four helpers are marinrl's public API for engine authors; with them the samples are the
+built-in ``dense`` engine's, token for token.
 
 Each padded length (a power of two, at least 8) compiles once. Try it::
 
@@ -42,22 +47,15 @@ class ReferenceEngineConfig:
     """No settings."""
 
 
-def _next_token(model: Any, tokens: Any, last: Any, key: Any, temperature: Any) -> Any:
+def _next_token(model: Any, tokens: Any, last: Any, key: Any, step: Any, temperature: Any) -> Any:
     """One forward pass over ``tokens [width]`` (a row's tokens, then padding): the token that
-    follows position ``last``, drawn with ``key`` at ``temperature``, and its logprob."""
-    import haliax as hax
-    import jax
-    import jax.numpy as jnp
-    from levanter.layers.attention import AttentionMask  # the causal mask the trainer uses
+    follows position ``last``, drawn with ``fold_in(key, step)`` at ``temperature``, and its
+    logprob."""
+    from marin_rl_core import draw_next_tokens, next_token_logits
 
-    hidden = model.activations(hax.named(tokens, "position"), attn_mask=AttentionMask.causal())
-    lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
-    h = hidden.rearrange(("position", model.Embed)).array[last]
-    logits = jnp.dot(h, lm_head, preferred_element_type=jnp.float32)
-    greedy = temperature <= 0
-    logprobs = jax.nn.log_softmax(logits / jnp.where(greedy, 1.0, temperature))
-    token = jnp.where(greedy, jnp.argmax(logits), jax.random.categorical(key, logprobs))
-    return token, logprobs[token]
+    logits = next_token_logits(model, tokens[None], last[None])
+    token, logprob = draw_next_tokens(logits, key[None], step[None], temperature[None])
+    return token[0], logprob[0]
 
 
 class ReferenceEngine:
@@ -92,28 +90,22 @@ class ReferenceEngine:
         self._model = self._cast(model)
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
-        import jax
+        from marin_rl_core import check_requests, row_keys
 
-        for i, r in enumerate(requests):
-            if not 1 <= r.n <= self.max_seqs:
-                raise ValueError(f"request {i}: n must be in 1..{self.max_seqs} (max_seqs)")
-            if not 0 < len(r.prompt) < self.spec.max_seq_len:
-                raise ValueError(
-                    f"request {i}: a prompt of {len(r.prompt)} tokens; prompts need 1.."
-                    f"{self.spec.max_seq_len - 1} tokens (max_seq_len={self.spec.max_seq_len})"
-                )
+        stops = check_requests(
+            requests, eos_id=self.spec.eos_id, max_seqs=self.max_seqs,
+            max_stop_tokens=self.spec.max_stop_tokens, max_seq_len=self.spec.max_seq_len,
+        )  # fmt: skip
         out = []
-        for r in requests:
-            key = jax.random.PRNGKey(np.uint32(r.seed % 2**32))
-            if r.fold >= 0:
-                key = jax.random.fold_in(key, r.fold)
-            out.append([self._sample(r, jax.random.fold_in(key, k)) for k in range(r.n)])
+        for r, own in zip(requests, stops):
+            n = np.arange(r.n, dtype=np.int32)
+            keys = row_keys(
+                np.full(r.n, r.seed % 2**32, np.uint32), np.full(r.n, r.fold, np.int32), n
+            )
+            out.append([self._sample(r, set(own), keys[k]) for k in range(r.n)])
         return out
 
-    def _sample(self, request: GenerationRequest, key: Any) -> Sample:
-        import jax
-
-        stops = {self.spec.eos_id, *request.stop_tokens}
+    def _sample(self, request: GenerationRequest, stops: set[int], key: Any) -> Sample:
         budget = min(request.max_tokens, self.spec.max_seq_len - len(request.prompt))
         tokens, new, logprobs = list(request.prompt), [], []
         while len(new) < budget and not (new and new[-1] in stops):
@@ -121,7 +113,7 @@ class ReferenceEngine:
             row = np.zeros(width, np.int32)
             row[: len(tokens)] = tokens
             token, logprob = self._step(
-                self._model, row, np.int32(len(tokens) - 1), jax.random.fold_in(key, len(new)),
+                self._model, row, np.int32(len(tokens) - 1), key, np.int32(len(new)),
                 np.float32(request.temperature),
             )  # fmt: skip
             tokens.append(int(token))

@@ -48,6 +48,21 @@ def tempered_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Arra
     return logits / temperature[:, None]
 
 
+def next_token_logits(model: LmHeadModel, tokens: jax.Array, at: jax.Array) -> jax.Array:
+    """The untempered float32 logits of the token after position ``at[r]`` of each row of
+    ``tokens [rows, width]`` (int32, each row's tokens then any padding): one causal forward
+    pass of the policy and the same float32 projection (:func:`tempered_logits`) the trainer's
+    log-probabilities use, so an engine sampling from these reports the trainer's logprobs.
+    Returns ``[rows, vocab]``. The dense engine samples with it; so can a third-party engine
+    (public as ``marin_rl_core.next_token_logits``; draw with ``draw_next_tokens``)."""
+    rows, _ = tokens.shape
+    ids = hax.named(tokens, (BATCH, POS))
+    hidden = model.activations(ids, attn_mask=AttentionMask.causal())
+    hidden = hidden.rearrange((BATCH, POS, model.Embed)).array
+    lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
+    return tempered_logits(hidden[jnp.arange(rows), at], lm_head, jnp.ones(rows, jnp.float32))
+
+
 def _block_forward(
     hidden: jax.Array, lm_head: jax.Array, targets: jax.Array, temperature: jax.Array
 ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
@@ -357,6 +372,7 @@ def response_logprobs(
 __all__ = [
     "LOGITS_BLOCK_BYTES",
     "lm_head_split",
+    "next_token_logits",
     "next_token_logprobs",
     "next_token_logprobs_and_entropy",
     "response_logprobs",

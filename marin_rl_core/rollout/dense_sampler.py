@@ -8,16 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl_core.generation import GenerationRequest, Sample
-from marin_rl_core.models.logprobs import tempered_logits
-from marin_rl_core.models.packing import BATCH, POS, row_length
+from marin_rl_core.models.logprobs import next_token_logits
+from marin_rl_core.models.packing import row_length
 from marin_rl_core.rollout.inference import Sampler, check_requests, row_keys
 from marin_rl_core.rollout.next_token import draw_next_tokens
 
@@ -63,19 +61,13 @@ def _dense_sample(
     :func:`~marin_rl_core.models.logprobs.next_token_logprobs`, so the logprobs agree with it.
     """
     rows, width = tokens.shape
-    lm_head = model.get_lm_head().rearrange((model.Embed, model.Vocab)).array
-
     keys = row_keys(seeds, fold, sample)
-    ones = jnp.ones(rows, jnp.float32)
     row_index = jnp.arange(rows)
 
     def body(carry):  # type: ignore[no-untyped-def]
         step, tokens, logprobs, done, lengths = carry
-        ids = hax.named(tokens, (BATCH, POS))
-        hidden = model.activations(ids, attn_mask=AttentionMask.causal())
-        hidden = hidden.rearrange((BATCH, POS, model.Embed)).array
         at = jnp.clip(prompt_len + step - 1, 0, width - 1)
-        logits = tempered_logits(hidden[row_index, at], lm_head, ones)
+        logits = next_token_logits(model, tokens, at)
         new, logprob = draw_next_tokens(logits, keys, jnp.full(rows, step), temperature)
         live = ~done
         pos = jnp.clip(prompt_len + step, 0, width - 1)

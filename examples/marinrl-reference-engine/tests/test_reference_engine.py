@@ -1,6 +1,7 @@
 """The example engine's own tests, as its author runs them (pytest in this directory, the package
 installed): marinrl's engine contract check (its logprobs against the trainer's on a tiny model),
-and greedy samples against the built-in ``dense`` engine's."""
+and its samples, greedy and drawn, against the built-in ``dense`` engine's: both draw with
+marinrl's public engine helpers, so they agree token for token."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def test_the_plugin_honours_the_engine_contract(plugin_registry):
     check_plugin(registry.get("engine", "reference"))
 
 
-def test_greedy_samples_are_the_dense_engines():
+def test_samples_are_the_dense_engines():
     import jax
 
     from marin_rl_core import DenseSampler
@@ -38,7 +39,15 @@ def test_greedy_samples_are_the_dense_engines():
     ).generate(requests)
     theirs = dense.generate(requests)
     assert ours[0][0].stopped and ours[0][0].tokens.size <= 3
-    for (mine,), (want,) in zip(ours, theirs):
-        assert mine.tokens.tolist() == want.tokens.tolist()
-        assert mine.stopped == want.stopped
-        np.testing.assert_allclose(mine.logprobs, want.logprobs, atol=1e-4)
+    drawn = requests_for(prompts, n=2, temperature=1.0, max_tokens=6, seed=7)
+    engine = marinrl_reference_engine.ReferenceEngine(
+        marinrl_reference_engine.ReferenceEngineConfig(), spec
+    )
+    ours += engine.generate(drawn)
+    theirs += dense.generate(drawn)
+    assert len({tuple(s.tokens.tolist()) for row in ours[3:] for s in row}) > 1
+    for mine_row, want_row in zip(ours, theirs, strict=True):
+        for mine, want in zip(mine_row, want_row, strict=True):
+            assert mine.tokens.tolist() == want.tokens.tolist()
+            assert mine.stopped == want.stopped
+            np.testing.assert_allclose(mine.logprobs, want.logprobs, atol=1e-4)
