@@ -27,6 +27,7 @@ def check_engine(record: PluginRecord, config: Any = None) -> None:
     the logprobs (greedy rows' untempered) equal the trainer's (to 1e-4)."""
     import jax
 
+    from marin_rl_core.config.converter import check_config_class
     from marin_rl_core.config.schema import ModelConfig
     from marin_rl_core.models.build import build_model
     from marin_rl_core.models.logprobs import response_logprobs
@@ -37,8 +38,7 @@ def check_engine(record: PluginRecord, config: Any = None) -> None:
     shape = ModelConfig(hidden_dim=32, intermediate_dim=64, num_layers=2, num_heads=4)
     model = build_model(shape, tok, key=jax.random.PRNGKey(0))
     spec = EngineSpec(model=model, max_seq_len=16, eos_id=tok.eos_id, max_seqs=16)
-    if config is None:
-        config = record.config_class()
+    config = check_config_class(record, config)
     registry = build_registry()  # for an engine (auto) that builds another
     spec = attrs.evolve(spec, build_engine=lambda other: registry.build_engine(other, spec))
     engine = record.build(config, spec)

@@ -29,18 +29,20 @@ import numpy as np
 import pytest
 
 from marin_rl_core import protocols
+from marin_rl_core.config.converter import check_config_class
 
-# The engine contract and tiny Hugging Face checkpoints, in modules of their own, re-exported.
+# The engine and storage contracts and tiny Hugging Face checkpoints, in modules of their own,
+# re-exported.
 from marin_rl_core.engine_contract import check_engine
 from marin_rl_core.hookspecs import (
     CurriculumPlugin,
     EnvPlugin,
     LossPlugin,
     PluginRecord,
-    StoragePlugin,
     WeightTransferPlugin,
 )
 from marin_rl_core.registry import Registry, build_registry
+from marin_rl_core.storage_contract import check_storage
 from marin_rl_core.tiny_checkpoints import (
     CHAT_TEMPLATES,
     as_transformers5_layout,
@@ -69,35 +71,6 @@ def plugin_registry() -> Callable[..., Registry]:
         return build_registry(autoload=False, modules=modules)
 
     return make
-
-
-def check_config_class(record: PluginRecord, config: Any = None) -> Any:
-    """The config class instantiates with no arguments and survives unstructure/structure
-    through the strict run-config converter (so ``marinrl config show`` output reads back);
-    so does ``config``, when given (an instance of the config class that a check then builds
-    the plugin with, instead of the defaults). Returns the config the checks use."""
-    from marin_rl_core.config.converter import make_converter
-
-    try:
-        default = record.config_class()
-    except TypeError as exc:
-        raise AssertionError(
-            f"{record.kind} {record.name!r}: every field of {record.config_class.__name__} needs "
-            f"a default ({exc})"
-        ) from exc
-    if config is None:
-        config = default
-    elif not isinstance(config, record.config_class):
-        raise AssertionError(
-            f"{record.kind} {record.name!r}: config must be a {record.config_class.__name__}, "
-            f"got {type(config).__name__}"
-        )
-    converter = make_converter(build_registry(autoload=False))
-    data = converter.unstructure(config)
-    json.dumps(data)  # plain data only
-    again = converter.structure(data, record.config_class)
-    assert again == config, f"{record.config_class.__name__} does not round-trip: {again!r}"
-    return config
 
 
 def _protocol(record: PluginRecord) -> type:
@@ -338,20 +311,6 @@ def _check_loss_fn(name: str, loss: Any, group: RolloutGroup, advantages: Any) -
     assert any(np.any(np.asarray(g) != 0) for g in leaves), f"loss {name!r}: zero gradient"
 
 
-def check_storage(record: StoragePlugin, config: Any = None) -> None:
-    """Contract of a storage (built with ``config``, default: its config class's defaults):
-    protocol only (a round trip may need a running service)."""
-    import tempfile
-
-    from marin_rl_core.types import RunInfo
-
-    with tempfile.TemporaryDirectory(prefix="marinrl-check-") as run_dir:
-        storage = record.build(
-            check_config_class(record, config), RunInfo(run_id="check", run_dir=run_dir)
-        )
-        assert isinstance(storage, protocols.RolloutStorage), f"storage {record.name!r}"
-
-
 def check_weight_transfer(record: WeightTransferPlugin, config: Any = None) -> None:
     """Contract of a weight transfer (built with ``config``, default: its config class's
     defaults): on loopback, a published version arrives bit for bit as
@@ -448,14 +407,21 @@ CHECKS: dict[str, Callable[..., None]] = {
 
 
 def check_plugin(
-    record: PluginRecord, config: Any = None, *, timeout_s: float = CALL_TIMEOUT_S
+    record: PluginRecord,
+    config: Any = None,
+    *,
+    timeout_s: float = CALL_TIMEOUT_S,
+    round_trip: bool = True,
 ) -> None:
     """Run the contract checks for ``record``'s kind, on the plugin built with ``config`` (an
     instance of its config class; default: the class's defaults, so call it again with each
     setting that changes what the plugin does: ``check_plugin(record, MyConfig(critic="model"))``).
-    An env call that takes longer than ``timeout_s`` fails the check instead of hanging it."""
+    An env call that takes longer than ``timeout_s`` fails the check instead of hanging it; a
+    storage is checked with a round trip through it unless ``round_trip=False``."""
     if record.kind == "env":
         check_env(record, config, timeout_s=timeout_s)
+    elif record.kind == "storage":
+        check_storage(record, config, round_trip=round_trip)
     else:
         CHECKS[record.kind](record, config)
 

@@ -22,6 +22,7 @@ LAYERS = {
     "testing": 4,
     "tiny_checkpoints": 3,  # the tiny Hugging Face checkpoints testing re-exports
     "engine_contract": 3,  # the engine contract check testing re-exports
+    "storage_contract": 3,  # the storage contract check testing re-exports
     "job": 5,
     "cli": 6,
     "__main__": 7,

@@ -11,24 +11,66 @@ REGISTRY = build_registry()
 ENTRIES = REGISTRY.entries()
 
 
+@pytest.fixture
+def local_ray():
+    """A local Ray for the ``memory`` storage's queue actor, shut down after, with
+    ``RAY_AUTH_MODE`` (which ``ray.init`` sets in this process) given back."""
+    import os
+
+    ray = pytest.importorskip("ray")
+    auth = os.environ.get("RAY_AUTH_MODE")
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    os.environ.pop("RAY_AUTH_MODE", None)
+    if auth is not None:
+        os.environ["RAY_AUTH_MODE"] = auth
+
+
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.kind}:{e.name}")
-def test_builtin_plugin_honours_its_contract(entry):
+def test_builtin_plugin_honours_its_contract(entry, request):
     assert entry.distribution == "marin-rl"
+    if (entry.kind, entry.name) == ("storage", "memory"):
+        request.getfixturevalue("local_ray")  # its queue is a Ray actor
     check_plugin(entry.record)
 
 
-def test_the_kinds_the_product_promises_are_built_in():
-    for kind, name in [
-        ("env", "math"),
-        ("env", "mock"),
-        ("loss", "rloo"),
-        ("storage", "memory"),
-        ("weight_transfer", "arrow_flight"),
-        ("weight_transfer", "jax"),
-        ("storage", "gcs"),
-        ("curriculum", "default"),
-    ]:
-        assert name in REGISTRY.names(kind), f"{kind} {name!r} is missing"
+class ForgetfulStorage:
+    """The ``gcs`` storage with a reader that forgets where it was."""
+
+    def __init__(self, storage):
+        self.storage = storage
+
+    def writer(self, *, name=""):
+        return self.storage.writer(name=name)
+
+    def reader(self, position=None):
+        return self.storage.reader(None)  # ignores the position: a resume reads it all again
+
+    def close(self):
+        self.storage.close()
+
+
+def test_the_storage_check_is_a_real_round_trip():
+    """A storage whose resumed reader returns batches again, or that does not pickle, fails the
+    check with what is wrong."""
+    import threading
+
+    import attrs
+
+    gcs = REGISTRY.get("storage", "gcs")
+    record = attrs.evolve(gcs, build=lambda c, run: ForgetfulStorage(gcs.build(c, run)))
+    keep = gcs.config_class(retention="keep")  # the batches read stay, to be read again
+    with pytest.raises(AssertionError, match=r"a reader resumed at .* returned \['check-\d/0'\]"):
+        check_plugin(record, keep)
+
+    def unpicklable(config, run):
+        storage = ForgetfulStorage(gcs.build(config, run))
+        storage.lock = threading.Lock()
+        return storage
+
+    with pytest.raises(AssertionError, match="must pickle"):
+        check_plugin(attrs.evolve(gcs, build=unpicklable))
 
 
 def test_the_contract_check_catches_default_lessons_a_run_would_refuse():

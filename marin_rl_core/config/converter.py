@@ -5,6 +5,7 @@ back out (:func:`dump_config`)."""
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from cattrs.errors import ForbiddenExtraKeysError
 
 from marin_rl_core.config.schema import CHOICE_TYPES, PluginChoice, RLJobConfig
 from marin_rl_core.errors import ConfigError, FieldValueError
+from marin_rl_core.hookspecs import PluginRecord
 from marin_rl_core.registry import Registry
 from marin_rl_core.types import LessonConfig
 
@@ -201,7 +203,37 @@ def dump_config(config: RLJobConfig, registry: Registry, *, fmt: str = "toml") -
     raise ConfigError(f"unknown format {fmt!r}; choose toml or yaml")
 
 
+def check_config_class(record: PluginRecord, config: Any = None) -> Any:
+    """The config class instantiates with no arguments and survives unstructure/structure
+    through the strict run-config converter (so ``marinrl config show`` output reads back);
+    so does ``config``, when given (an instance of the config class that a check then builds
+    the plugin with, instead of the defaults). Returns the config the checks use."""
+    from marin_rl_core.registry import build_registry
+
+    try:
+        default = record.config_class()
+    except TypeError as exc:
+        raise AssertionError(
+            f"{record.kind} {record.name!r}: every field of {record.config_class.__name__} needs "
+            f"a default ({exc})"
+        ) from exc
+    if config is None:
+        config = default
+    elif not isinstance(config, record.config_class):
+        raise AssertionError(
+            f"{record.kind} {record.name!r}: config must be a {record.config_class.__name__}, "
+            f"got {type(config).__name__}"
+        )
+    converter = make_converter(build_registry(autoload=False))
+    data = converter.unstructure(config)
+    json.dumps(data)  # plain data only
+    again = converter.structure(data, record.config_class)
+    assert again == config, f"{record.config_class.__name__} does not round-trip: {again!r}"
+    return config
+
+
 __all__ = [
+    "check_config_class",
     "dump_config",
     "lesson_env_config",
     "make_converter",
