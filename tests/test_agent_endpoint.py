@@ -149,7 +149,7 @@ def test_an_agent_samples_through_the_endpoint_exactly_what_the_in_process_env_s
     )
     try:
         batch, metrics = manager.sample_batch("guess_agent", **kwargs)
-        assert metrics["env_errors"] == 0 and metrics["agent_splits"] == 0
+        assert metrics["env_errors"] == 0 and metrics["episode_splits"] == 0
         assert len(batch.rollouts) == len(expected.rollouts) == 24
         for got, want in zip(batch.rollouts, expected.rollouts):
             assert got.tokens.tolist() == want.tokens.tolist()
@@ -238,7 +238,7 @@ def test_chat_completions_through_the_openai_client_are_recorded_as_returned(cha
     # two are branches of their own; every sampled id is trained once, in its own sample.
     assert sum(r.num_policy_tokens for r in rollouts) == sampled
     assert all(r.reward == 1.0 and r.metadata.weight_step == 7 for r in rollouts)
-    assert metrics["agent_splits"] >= 4 * 2  # each episode's two further choices at least
+    assert metrics["episode_splits"] >= 4 * 2  # each episode's two further choices at least
     _trainer_agrees(manager, config, batch.rollouts)
 
 
@@ -287,7 +287,7 @@ def test_an_edited_history_is_a_flagged_split_and_every_sampled_token_is_trained
     batch, metrics = _batch(manager)
     assert metrics["env_errors"] == 0
     episodes = _episodes(batch)
-    assert len(episodes) == 4 and metrics["agent_splits"] >= 4
+    assert len(episodes) == 4 and metrics["episode_splits"] >= 4
     for parts in episodes:
         assert len(parts) >= 2  # the edited history starts a sample of its own
         last = parts[-1]
@@ -323,7 +323,7 @@ def test_many_concurrent_episodes_share_generation_calls(chat):
     # (a reply cut at max_tokens is not a prefix of its re-templated message: a new sample).
     assert metrics["env_errors"] == 0 and metrics["turns"] == 3.0
     assert sum(len(r.turn_starts) for r in batch.rollouts) == 64 * 3
-    assert len(batch.rollouts) == 64 + metrics["agent_splits"]
+    assert len(batch.rollouts) == 64 + metrics["episode_splits"]
     assert len({r.problem_id for r in batch.rollouts}) == 16
     assert len(clients._clients) == 4
     server = manager._runner.agent_episodes(config_of(manager)).server
@@ -399,7 +399,7 @@ def test_agent_failures_stay_in_their_episode_and_refusals_say_why(chat):
     limited = by_problem["2"]
     assert [(r.num_turns, r.truncated, r.reward) for r in limited] == [(1, True, 0.0)] * 2
     assert [(r.num_turns, r.reward) for r in by_problem["3"]] == [(1, 1.0)]
-    assert metrics["agent_splits"] == 1
+    assert metrics["episode_splits"] == 1
     assert "episodes.max_turns" in refusals["limit"] and "top_p" in refusals["top_p"]
     # A call after its episode ended, and a call with a key of no episode.
     endpoint = kept[0]

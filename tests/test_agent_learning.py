@@ -35,6 +35,6 @@ def test_the_tiny_model_learns_the_guess_game_through_the_agent_endpoint(tmp_pat
     curve = [r["eval/guess_agent/reward"] for r in rows if r["source"] == "eval"]
     assert curve[0] <= 0.4, f"an untrained policy cannot read the feedback: {curve}"
     assert max(curve) >= 0.8, f"held-out success curve: {curve}"
-    batches = [r for r in rows if r["source"] == "rollout" and "rollout/agent_splits" in r]
-    assert batches and all(r["rollout/agent_splits"] == 0 for r in batches)
+    batches = [r for r in rows if r["source"] == "rollout" and "rollout/episode_splits" in r]
+    assert batches and all(r["rollout/episode_splits"] == 0 for r in batches)
     assert all(r["rollout/env_errors"] == 0 for r in batches)

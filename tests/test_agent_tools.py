@@ -195,7 +195,7 @@ def test_a_tool_calling_agent_gets_tool_calls_and_its_episode_is_one_exact_sampl
         assert metrics["reward"] == 1.0 and metrics["turns"] == 2.0
         # Both calls of each episode are one training sample: the template renders the
         # returned tool call back to the very ids sampled, so nothing is split or re-tokenized.
-        assert metrics["agent_splits"] == 0 and len(batch.rollouts) == 4
+        assert metrics["episode_splits"] == 0 and len(batch.rollouts) == 4
         tokenizer = manager.tokenizer
         for r in batch.rollouts:
             assert r.part == 0 and r.num_turns == 2 and not r.truncated

@@ -586,7 +586,7 @@ def _chat_batch(checkpoint, *extra):
         ],
     )
     batch, metrics = _sample(manager, n_examples=3, n_generations=4)
-    return manager, config, batch
+    return manager, config, batch, metrics
 
 
 def _episodes(batch):
@@ -607,10 +607,11 @@ def test_chat_observations_are_rendered_by_the_template_and_appended(tiny_qwen3)
     from marin_rl_core.models.logprobs import next_token_logprobs
     from marin_rl_core.models.tokenizer import encode_prompt
 
-    manager, config, batch = _chat_batch(tiny_qwen3[0])
+    manager, config, batch, metrics = _chat_batch(tiny_qwen3[0])
     tokenizer = manager.tokenizer
     episodes = _episodes(batch)
     assert len(episodes) == 12
+    assert metrics["episode_splits"] == sum(len(e) - 1 for e in episodes)
     whole = [e[0] for e in episodes if len(e) == 1]
     # An untrained model also samples ids of the checkpoint's padded vocabulary rows, which
     # decode to nothing: such an action's text does not re-encode to its tokens, and its episode
@@ -644,11 +645,13 @@ def test_chat_observations_are_rendered_by_the_template_and_appended(tiny_qwen3)
 
 
 def test_a_template_that_rewrites_the_past_splits_the_episode_into_parts(tiny_qwen3):
-    manager, config, batch = _chat_batch(tiny_qwen3[1])
+    manager, config, batch, metrics = _chat_batch(tiny_qwen3[1])
     tokenizer = manager.tokenizer
     episodes = _episodes(batch)
     assert len(episodes) == 12
     assert sum(len(e) > 1 for e in episodes) >= 9, "most actions have text the template drops"
+    # Each part after the first is counted, as the rollout metrics show it.
+    assert metrics["episode_splits"] == sum(len(e) - 1 for e in episodes) >= 9
     for parts in episodes:
         assert sum(p.num_turns for p in parts) == 3  # every turn is in exactly one part
         assert {p.reward for p in parts} == {0.5}  # each part carries the episode's reward

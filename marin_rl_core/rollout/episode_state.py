@@ -91,8 +91,9 @@ class EpisodeResult:
         env_seconds: time spent in env calls (``reset`` and ``step``).
         env_step_seconds: time spent in ``step`` calls.
         env_calls: ``step`` calls (an agent episode's: its calls to the policy).
-        splits: an agent episode's extra training samples, by reason (``"fork"``,
-            ``"template"``, ``"branch"``: :class:`~marin_rl_core.rollout.transcript.Transcript`).
+        splits: the episode's extra training samples, by reason (a chat template's rewrite,
+            ``"template"``; an agent's ``"fork"`` or ``"branch"``:
+            :class:`~marin_rl_core.rollout.transcript.Transcript`).
         weight_steps: ``(oldest, newest)`` weight step of the weights that sampled its tokens,
             when the engine says (it took new weights while rows decoded); ``None``: the
             batch's weights sampled all of it.

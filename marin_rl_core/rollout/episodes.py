@@ -257,6 +257,7 @@ class EpisodeRunner:
                 live.result.rollouts = episode_rollouts(
                     live, env_name=env_name, lesson_id=lesson_id
                 )
+                live.result.splits = dict(live.transcript.splits)
             close = getattr(env, "close", None)
             if close is not None and live.episode is not None:
                 try:

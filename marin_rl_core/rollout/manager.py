@@ -406,8 +406,9 @@ class RolloutManager:
             # Rollouts sampled by more than one weight step (new weights arrived mid-batch).
             "frac_spanning_weights": spanning / len(rollouts_all) if rollouts_all else 0.0,
         }
-        if agents:
-            metrics["agent_splits"] = splits
+        # Episodes that went on in a new training sample (Rollout.part 1, 2, ...): a chat
+        # template that rewrote the past, an agent that forked or branched its history.
+        metrics["episode_splits"] = splits
         for name, values in score_metrics.items():
             metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))
         return batch, metrics
