@@ -9,7 +9,8 @@ the table shows the median of ``--repeats`` timed calls, each engine's ratio to 
 present, to transformers' ``generate`` (eager, sdpa, a random model of the same shape).
 
     python bench/generation.py                                  # CPU: 2 layers, 32 rows x 128
-    python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512   # a GPU
+    python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
+        --paged-limit 8192                                      # a GPU (bench/device/all.sh)
 
 The last line is ``speed-up over paged: N.NNx``: the ``kv`` engine against the paged engine at
 the first row count and token count given (32 x 128 by default).
@@ -149,6 +150,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on an accelerator")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument(
+        "--paged-limit",
+        type=int,
+        default=0,
+        help="skip the paged engine where rows x tokens exceeds this (0: never skip); on a GPU "
+        "it makes ~200 tok/s, so 256 x 512 alone would take ten minutes",
+    )
     args = parser.parse_args()
 
     import jax
@@ -172,6 +180,11 @@ def main() -> None:
         prompts = prompts_for(rows)
         for tokens in args.tokens:
             for kind in args.engines:
+                if kind == "paged" and 0 < args.paged_limit < rows * tokens:
+                    print(
+                        f"  {kind:>6} {rows:>4} rows x {tokens:>4} tokens: skipped (--paged-limit)"
+                    )
+                    continue
                 spec = EngineSpec(
                     model=model,
                     max_seq_len=seq_len,

