@@ -13,8 +13,8 @@ model's chat template, graded on the last number of the reply. Greedy, the model
     python bench/real_model.py --steps 60 --set trainer.learning_rate=2e-6
 
 Prints the eval curve, steps/s, where the time went (generation's share of the sampler's and
-the trainer's time), and as its last line ``held-out accuracy A -> B in S s`` (S: seconds from
-launching the job's process to its end).
+the trainer's time), the peak device memory on an accelerator, and as its last line
+``held-out accuracy A -> B in S s`` (S: seconds from launching the job's process to its end).
 """
 
 from __future__ import annotations
@@ -102,6 +102,14 @@ def main() -> None:
     if rollout:
         generating = sum(r["rollout/seconds"] for r in rollout)
         print(f"generation and scoring: {generating:.0f} s over {len(rollout)} batches")
+    peaks = [
+        r[k]
+        for r in rows
+        for k in ("device_peak_memory_gib", "rollout/device_peak_memory_gib")
+        if k in r
+    ]
+    if peaks:  # accelerators only; colocated, the trainer's row covers sampling too
+        print(f"peak device memory: {max(peaks):.2f} GiB")
     a, b = evals[0][1], evals[-1][1]
     print(f"held-out accuracy {a:.2f} -> {b:.2f} in {seconds:.0f} s")
 

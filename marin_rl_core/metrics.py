@@ -201,3 +201,24 @@ def read_metrics_counted(run_dir: str | Path) -> tuple[list[dict[str, Any]], int
         else:
             damaged += 1
     return rows, damaged
+
+
+def device_memory() -> dict[str, float]:
+    """This process's accelerator memory in GiB, the most over its devices: ``device_memory_gib``
+    in use now and ``device_peak_memory_gib``, the most in use at once since the process started
+    (a colocated process's training and sampling both). Empty where the platform does not report
+    it (CPU)."""
+    import jax
+
+    now = peak = -1
+    for device in jax.local_devices():
+        try:
+            stats = device.memory_stats()
+        except Exception:  # noqa: BLE001 - a platform without memory statistics
+            stats = None
+        if stats:
+            now = max(now, int(stats.get("bytes_in_use", 0)))
+            peak = max(peak, int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))))
+    if now < 0:
+        return {}
+    return {"device_memory_gib": now / 2**30, "device_peak_memory_gib": peak / 2**30}

@@ -104,3 +104,21 @@ def test_a_resumed_run_keeps_one_set_of_rows_per_step_its_start_eval_included(tm
     rows = [(r["step"], r["source"]) for r in read_metrics(tmp_path)]
     # The "run" row marks where the resumed run starts (the summary's seconds count each run's).
     assert rows == [(1, "train"), (2, "train"), (3, "train"), (4, "train"), (4, "run"), (4, "eval")]
+
+
+def test_device_memory_is_the_most_over_devices_and_absent_where_unreported(monkeypatch):
+    import jax
+
+    from marin_rl_core.metrics import device_memory
+
+    assert device_memory() == {}  # CPU devices report no memory statistics
+
+    class Device:
+        def __init__(self, now, peak):
+            self.stats = {"bytes_in_use": now * 2**30, "peak_bytes_in_use": peak * 2**30}
+
+        def memory_stats(self):
+            return self.stats
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Device(1, 3), Device(2, 2.5)])
+    assert device_memory() == {"device_memory_gib": 2.0, "device_peak_memory_gib": 3.0}

@@ -54,7 +54,7 @@ from marin_rl_core.learner.optimizer import make_schedule
 from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
 from marin_rl_core.learner.step import Learner, all_finite, plugin_loss_fn, plugin_prepare_fn
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
-from marin_rl_core.metrics import drop_rows_after
+from marin_rl_core.metrics import device_memory, drop_rows_after
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
@@ -469,6 +469,7 @@ class Trainer:
                 ),
             )
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
+            metrics.update(device_memory())  # on accelerators: in use now, and the peak
             stages["wait_seconds"] += waited
             stages["step_seconds"] += metrics["step_seconds"]
             if self.step % t.sync_interval_steps == 0 or self.step == total:

@@ -21,6 +21,7 @@ from typing import Any
 
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
+from marin_rl_core.metrics import device_memory
 from marin_rl_core.pacing import Pacer
 from marin_rl_core.protocols import CurriculumPolicy, RolloutWriter, WeightTransferClient
 from marin_rl_core.registry import Registry
@@ -406,6 +407,7 @@ class RolloutWorker:
             metrics["rollouts"] = float(len(batch.rollouts)) if batch is not None else 0.0
             metrics["write_seconds"] = write_seconds
             metrics["write_errors"] = self.write_errors
+            metrics.update(device_memory())  # on accelerators: in use now, and the peak
             metrics = {f"rollout/{k}": v for k, v in metrics.items()}
             metrics["rollout/lesson"] = lesson_id
             metrics["rollout/worker"] = self.worker_index
