@@ -6,10 +6,10 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 python3 -c 'import jax; print(jax.devices())' 2>&1 | tail -1
 # 1. Generation, issue 48: every engine side by side (paged only on cells it finishes in time).
-timeout 300 python3 bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
+timeout 250 python3 bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
   --paged-limit 8192 2>&1 | grep -v -i "warning" | tee "$out/generation.log"
 # 2. A real model learning, colocated, issue 49.
-timeout 200 python3 bench/real_model.py --steps 10 2>&1 | tail -40 | tee "$out/real_model.log"
+timeout 280 python3 bench/real_model.py --steps 10 2>&1 | tail -40 | tee "$out/real_model.log"
 # 3. The agent endpoint, issue 48 (its programs in 8 env processes).
-timeout 60 bash -c 'cd bench && python3 agent_endpoint.py --processes 8 --batches 3 --warm-up 2' \
+timeout 50 bash -c 'cd bench && python3 agent_endpoint.py --processes 8 --batches 3 --warm-up 2' \
   2>&1 | grep -v -i "warning" | tail -20 | tee "$out/agent_endpoint.log"

@@ -14,13 +14,13 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 here=$PWD
 mkdir -p /tmp/stage
-for manifest in .stage/*/manifest.json; do
-  [ -e "$manifest" ] || continue
-  index=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["index"])' "$manifest")
-  cp "$(dirname "$manifest")/part" "/tmp/stage/part.$index"
-  cp "$manifest" /tmp/stage/manifest.json
-done
 if [ ! -e /tmp/stage/installed ]; then
+  for manifest in .stage/*/manifest.json; do
+    [ -e "$manifest" ] || continue
+    index=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["index"])' "$manifest")
+    cp "$(dirname "$manifest")/part" "/tmp/stage/part.$index"
+    cp "$manifest" /tmp/stage/manifest.json
+  done
   if [ ! -e /tmp/stage/manifest.json ]; then
     echo "no staged parts: run bench/device/stage.py here and carry .stage/1" >&2
     exit 3
@@ -38,6 +38,7 @@ if [ ! -e /tmp/stage/installed ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site /tmp/stage/content/wheels/*.whl
   touch /tmp/stage/installed
+  echo "installed the staged wheels into /tmp/site"
 fi
 path=/tmp/site:$here/bench/device/shim
 [ -d /tmp/site/ray ] || path=$path:$here/bench/device/stub
