@@ -118,7 +118,9 @@ def wanted(purpose: str) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--for", dest="purpose", choices=["bench", "run"], default="run")
-    parser.add_argument("--part-mib", type=int, default=60, help="the most MiB in one part (the tree travels too)")
+    parser.add_argument(
+        "--part-mib", type=int, default=60, help="the most MiB in one part (the tree travels too)"
+    )
     args = parser.parse_args()
 
     shutil.rmtree(STAGE, ignore_errors=True)
