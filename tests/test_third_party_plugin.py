@@ -207,6 +207,23 @@ def run_own_tests(package: Path, site: Path) -> None:
     assert " passed" in result.stdout and "failed" not in result.stdout
 
 
+def train_rows_of_a_run(site, tiny_mock_job, tmp_path, run_id, steps, *flags):
+    """``marinrl run`` of the tiny mock job for ``steps`` steps with ``flags`` (``--loss
+    reinforce``, ...) in a process that sees the packages in ``site``: it succeeds and logs
+    one train row a step. Returns the run directory and the train rows."""
+    from marin_rl_core.metrics import read_metrics
+
+    result = marinrl(
+        site, "run", *tiny_mock_job, *flags, "--set", f"trainer.num_train_steps={steps}",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", run_id,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / run_id
+    train = [r for r in read_metrics(run_dir) if r["source"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    return run_dir, train
+
+
 # --- the custom loss example ---------------------------------------------------------------------
 
 
@@ -222,16 +239,9 @@ def test_the_custom_loss_example_passes_its_own_tests(installed_reinforce):
 def test_the_custom_loss_example_trains_through_marinrl_run(
     installed_reinforce, tiny_mock_job, tmp_path
 ):
-    from marin_rl_core.metrics import read_metrics
-
-    result = marinrl(
-        installed_reinforce, "run", *tiny_mock_job, "--loss", "reinforce",
-        "--set", "trainer.num_train_steps=6", "--set", f'run_dir="{tmp_path}"',
-        "--run-id", "custom-loss",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    train = [r for r in read_metrics(tmp_path / "custom-loss") if r["source"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+    _, train = train_rows_of_a_run(
+        installed_reinforce, tiny_mock_job, tmp_path, "custom-loss", 6, "--loss", "reinforce"
+    )
     # The loss's own per-token metric, weighed over each step by the framework.
     assert all(0 < r["importance_weight"] <= 2.0 for r in train)
     assert all(r["num_tokens"] > 0 for r in train)
@@ -253,17 +263,11 @@ def test_the_custom_storage_example_carries_a_run_through_marinrl_run(
     process, meet through the run directory's SQLite file."""
     import sqlite3
 
-    from marin_rl_core.metrics import read_metrics
-
-    result = marinrl(
-        installed_sqlite_storage, "run", *tiny_mock_job, "--storage", "sqlite",
-        "--set", "trainer.num_train_steps=3", "--set", f'run_dir="{tmp_path}"',
-        "--run-id", "custom-storage",
+    run_dir, _ = train_rows_of_a_run(
+        installed_sqlite_storage, tiny_mock_job, tmp_path, "custom-storage", 3,
+        "--storage", "sqlite",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    train = [r for r in read_metrics(tmp_path / "custom-storage") if r["source"] == "train"]
-    assert [r["step"] for r in train] == [1, 2, 3]
-    with sqlite3.connect(tmp_path / "custom-storage" / "rollouts.sqlite") as db:
+    with sqlite3.connect(run_dir / "rollouts.sqlite") as db:
         (stored,) = db.execute("SELECT COUNT(*) FROM batches").fetchone()
     assert stored >= 1
 
@@ -273,7 +277,8 @@ def test_the_custom_storage_example_carries_a_run_through_marinrl_run(
 
 def test_the_custom_engine_example_passes_its_own_tests(installed_reference_engine):
     """marinrl's engine contract check (logprobs equal to the trainer's on a tiny model) and
-    greedy samples equal to the ``dense`` engine's, run as the package's author runs them."""
+    samples, greedy and drawn, equal to the ``dense`` engine's, run as the package's author runs
+    them."""
     run_own_tests(REFERENCE_ENGINE, installed_reference_engine)
 
 
@@ -283,18 +288,11 @@ def test_the_custom_engine_example_samples_a_run_through_marinrl_run(
 ):
     import tomllib
 
-    from marin_rl_core.metrics import read_metrics
-
-    result = marinrl(
-        installed_reference_engine, "run", *tiny_mock_job, "--engine", "reference",
-        "--set", "trainer.num_train_steps=2", "--set", f'run_dir="{tmp_path}"',
-        "--run-id", "custom-engine",
+    run_dir, _ = train_rows_of_a_run(
+        installed_reference_engine, tiny_mock_job, tmp_path, "custom-engine", 2,
+        "--engine", "reference",
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    run_dir = tmp_path / "custom-engine"
     assert tomllib.loads((run_dir / "config.toml").read_text())["engine"]["name"] == "reference"
-    train = [r for r in read_metrics(run_dir) if r["source"] == "train"]
-    assert [r["step"] for r in train] == [1, 2]
 
 
 # --- the agent example ---------------------------------------------------------------------------
