@@ -5,12 +5,15 @@ its 151,936-token vocabulary, tied embeddings; ``--layers`` of its 28 layers, ra
 built once; each engine samples the same prompts (``rows`` distinct prompts of 32-96 random
 tokens, one sample each, temperature 1) to ``new tokens`` each. A warm-up call compiles first;
 the table shows the median of ``--repeats`` timed calls, each engine's ratio to the paged engine
-(levanter's ``InferenceEngine``) and, where ``torch`` and ``transformers`` import and a GPU is
-present, to transformers' ``generate`` (eager, sdpa, a random model of the same shape).
+(levanter's ``InferenceEngine``), to the plain JAX loop of ``bench/plain_generation.py`` (a
+KV cache, the whole generation in one jit: what a user would write instead of an engine; its
+greedy tokens are first checked against the ``kv`` engine's) and, where ``torch`` and
+``transformers`` import and a GPU is present, to transformers' ``generate`` (eager, sdpa, a
+random model of the same shape).
 
     python bench/generation.py                                  # CPU: 2 layers, 32 rows x 128
     python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
-        --paged-limit 8192                                      # a GPU (bench/device/all.sh)
+        --paged-limit 8192 --plain-limit 4096                   # a GPU (bench/device/all.sh)
 
 The last line is ``speed-up over paged: N.NNx``: the ``kv`` engine against the paged engine at
 the first row count and token count given (32 x 128 by default).
@@ -139,6 +142,27 @@ def time_transformers(layers: int, prompts, tokens: int, repeats: int) -> tuple[
     return statistics.median(times), generated
 
 
+def check_plain(registry, model, seq_len: int, dtype: str, platform: str, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Print how many of the plain JAX loop's greedy tokens equal ``kind``'s on a few prompts:
+    the reference must generate what the model generates, not just generate fast."""
+    import plain_generation
+
+    from marin_rl_core import EngineSpec
+
+    prompts = prompts_for(4, seed=1)
+    spec = EngineSpec(
+        model=model,
+        max_seq_len=seq_len,
+        eos_id=QWEN3_0_6B["vocab"] - 1,
+        max_seqs=len(prompts),
+        compute_dtype=dtype,
+        platform=platform,
+    )
+    engine = registry.build_engine(kind, spec, None)
+    equal, compared = plain_generation.greedy_agrees(model, engine, prompts, 8, seq_len=seq_len)
+    print(f"plain JAX loop's greedy tokens equal to {kind}'s: {equal} of {compared}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="of Qwen3-0.6B's 28 layers")
@@ -150,6 +174,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on an accelerator")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain JAX loop")
+    parser.add_argument(
+        "--plain-limit",
+        type=int,
+        default=0,
+        help="run the plain JAX loop only where rows x tokens is at most this (0: everywhere); "
+        "it compiles once per cell",
+    )
     parser.add_argument(
         "--paged-limit",
         type=int,
@@ -160,6 +192,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import jax
+    import plain_generation
 
     from marin_rl_core import EngineSpec, build_registry
 
@@ -176,6 +209,15 @@ def main() -> None:
         flush=True,
     )
     results: dict[tuple[str, int, int], float] = {}
+    if not args.no_plain:
+        check_plain(
+            registry,
+            model,
+            seq_len,
+            dtype,
+            platform,
+            "kv" if "kv" in args.engines else args.engines[0],
+        )
     for rows in args.rows:
         prompts = prompts_for(rows)
         for tokens in args.tokens:
@@ -210,6 +252,16 @@ def main() -> None:
                     flush=True,
                 )
                 del engine
+            if not args.no_plain and not 0 < args.plain_limit < rows * tokens:
+                seconds, generated = plain_generation.time_plain(
+                    model, prompts, tokens, args.repeats, seq_len=seq_len
+                )
+                results[("plain JAX", rows, tokens)] = generated / seconds
+                print(
+                    f"  plain JAX {rows:>4} rows x {tokens:>4} tokens: "
+                    f"{generated / seconds:9.1f} tok/s ({seconds:.2f} s)",
+                    flush=True,
+                )
             if not args.no_transformers:
                 hf = time_transformers(args.layers, prompts, tokens, args.repeats)
                 if hf is not None:
@@ -218,11 +270,12 @@ def main() -> None:
 
     kinds = [
         *args.engines,
+        *(["plain JAX"] if any(k[0] == "plain JAX" for k in results) else []),
         *(["transformers"] if any(k[0] == "transformers" for k in results) else []),
     ]
     print()
-    print("| engine | rows x new tokens | tok/s | / paged | / transformers |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| engine | rows x new tokens | tok/s | / paged | / plain JAX | / transformers |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for rows in args.rows:
         for tokens in args.tokens:
             for kind in kinds:
@@ -231,9 +284,11 @@ def main() -> None:
                     continue
                 paged = results.get(("paged", rows, tokens))
                 hf = results.get(("transformers", rows, tokens))
+                plain = results.get(("plain JAX", rows, tokens))
                 print(
                     f"| {kind} | {rows} x {tokens} | {rate:,.0f} | "
                     f"{f'{rate / paged:.2f}x' if paged else '-'} | "
+                    f"{f'{rate / plain:.2f}x' if plain else '-'} | "
                     f"{f'{rate / hf:.2f}x' if hf else '-'} |"
                 )
     first = (args.rows[0], args.tokens[0])
