@@ -7,13 +7,18 @@ tokens, one sample each, temperature 1) to ``new tokens`` each. A warm-up call c
 the table shows the median of ``--repeats`` timed calls, each engine's ratio to the paged engine
 (levanter's ``InferenceEngine``), to the plain JAX loop of ``bench/plain_generation.py`` (a
 KV cache, the whole generation in one jit: what a user would write instead of an engine; its
-greedy tokens are first checked against the ``kv`` engine's) and, where ``torch`` and
+greedy tokens are first checked against the ``kv`` engine's, in float32: bfloat16's rounding parts
+greedy paths early) and, where ``torch`` and
 ``transformers`` import and a GPU is present, to transformers' ``generate`` (eager, sdpa, a
 random model of the same shape).
 
     python bench/generation.py                                  # CPU: 2 layers, 32 rows x 128
     python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
-        --paged-limit 8192 --plain-limit 4096                   # a GPU (bench/device/all.sh)
+        --limit paged=8192 --limit dense=8192 --limit plain=4096  # a GPU (bench/device/all.sh)
+
+Cells run every row count at the first token count first (the bars' cells); ``--limit NAME=N``
+skips an engine (or ``plain``, ``transformers``) where rows x tokens exceeds N. A time limit
+(``timeout``'s SIGTERM) or Ctrl-C stops the measuring and still prints the table of what finished.
 
 The last line is ``speed-up over paged: N.NNx``: the ``kv`` engine against the paged engine at
 the first row count and token count given (32 x 128 by default).
@@ -22,6 +27,7 @@ the first row count and token count given (32 x 128 by default).
 from __future__ import annotations
 
 import argparse
+import signal
 import statistics
 import sys
 import time
@@ -176,18 +182,13 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--no-plain", action="store_true", help="skip the plain JAX loop")
     parser.add_argument(
-        "--plain-limit",
-        type=int,
-        default=0,
-        help="run the plain JAX loop only where rows x tokens is at most this (0: everywhere); "
-        "it compiles once per cell",
-    )
-    parser.add_argument(
-        "--paged-limit",
-        type=int,
-        default=0,
-        help="skip the paged engine where rows x tokens exceeds this (0: never skip); on a GPU "
-        "it makes ~200 tok/s, so 256 x 512 alone would take ten minutes",
+        "--limit",
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="run NAME (an engine, 'plain' or 'transformers') only where rows x tokens is at most "
+        "N; on a GPU the paged engine makes ~200 tok/s (256 x 512 alone would take ten "
+        "minutes), dense recomputes the whole sequence every token, plain compiles per cell",
     )
     args = parser.parse_args()
 
@@ -208,65 +209,77 @@ def main() -> None:
         f"({jax.devices()[0].device_kind}), prompts of 32-96 tokens, temperature 1",
         flush=True,
     )
+    limits = {name: int(n) for name, n in (item.split("=", 1) for item in args.limit)}
     results: dict[tuple[str, int, int], float] = {}
-    if not args.no_plain:
-        check_plain(
-            registry,
-            model,
-            seq_len,
-            dtype,
-            platform,
-            "kv" if "kv" in args.engines else args.engines[0],
+
+    def allowed(name: str, rows: int, tokens: int) -> bool:
+        if rows * tokens <= limits.get(name, rows * tokens):
+            return True
+        print(f"  {name:>12} {rows:>4} rows x {tokens:>4} tokens: skipped (--limit {name}=...)")
+        return False
+
+    def record(name: str, rows: int, tokens: int, seconds: float, generated: int) -> None:
+        results[(name, rows, tokens)] = generated / seconds
+        print(
+            f"  {name:>12} {rows:>4} rows x {tokens:>4} tokens: {generated / seconds:9.1f} "
+            f"tok/s ({seconds:.2f} s)",
+            flush=True,
         )
-    for rows in args.rows:
-        prompts = prompts_for(rows)
+
+    # A time limit (timeout's SIGTERM) or Ctrl-C ends the measuring, not the report.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if not args.no_plain and dtype == "float32":
+            check_plain(
+                registry,
+                model,
+                seq_len,
+                dtype,
+                platform,
+                "kv" if "kv" in args.engines else args.engines[0],
+            )
+        # Every row count at the first token count first: the bars' cells come before the rest.
         for tokens in args.tokens:
-            for kind in args.engines:
-                if kind == "paged" and 0 < args.paged_limit < rows * tokens:
-                    print(
-                        f"  {kind:>6} {rows:>4} rows x {tokens:>4} tokens: skipped (--paged-limit)"
+            for rows in args.rows:
+                prompts = prompts_for(rows)
+                for kind in args.engines:
+                    if not allowed(kind, rows, tokens):
+                        continue
+                    spec = EngineSpec(
+                        model=model,
+                        max_seq_len=seq_len,
+                        eos_id=QWEN3_0_6B["vocab"] - 1,
+                        max_seqs=rows,
+                        compute_dtype=dtype,
+                        platform=platform,
                     )
-                    continue
-                spec = EngineSpec(
-                    model=model,
-                    max_seq_len=seq_len,
-                    eos_id=QWEN3_0_6B["vocab"] - 1,
-                    max_seqs=rows,
-                    compute_dtype=dtype,
-                    platform=platform,
-                )
-                # The paged engine prefills every prompt of a call at once (as marinrl runs it).
-                config = (
-                    registry.get("engine", kind).config_class(
-                        max_prefill_tokens=max(2048, rows * 128)
+                    # The paged engine prefills every prompt of a call at once (as marinrl runs it).
+                    config = (
+                        registry.get("engine", kind).config_class(
+                            max_prefill_tokens=max(2048, rows * 128)
+                        )
+                        if kind == "paged"
+                        else None
                     )
-                    if kind == "paged"
-                    else None
-                )
-                engine = registry.build_engine(kind, spec, config)
-                seconds, generated = time_engine(engine, prompts, tokens, args.repeats, seed=0)
-                results[(kind, rows, tokens)] = generated / seconds
-                print(
-                    f"  {kind:>6} {rows:>4} rows x {tokens:>4} tokens: {generated / seconds:9.1f} "
-                    f"tok/s ({seconds:.2f} s)",
-                    flush=True,
-                )
-                del engine
-            if not args.no_plain and not 0 < args.plain_limit < rows * tokens:
-                seconds, generated = plain_generation.time_plain(
-                    model, prompts, tokens, args.repeats, seq_len=seq_len
-                )
-                results[("plain JAX", rows, tokens)] = generated / seconds
-                print(
-                    f"  plain JAX {rows:>4} rows x {tokens:>4} tokens: "
-                    f"{generated / seconds:9.1f} tok/s ({seconds:.2f} s)",
-                    flush=True,
-                )
-            if not args.no_transformers:
-                hf = time_transformers(args.layers, prompts, tokens, args.repeats)
-                if hf is not None:
-                    results[("transformers", rows, tokens)] = hf[1] / hf[0]
-                    print(f"  transformers {rows} x {tokens}: {hf[1] / hf[0]:9.1f} tok/s")
+                    engine = registry.build_engine(kind, spec, config)
+                    record(
+                        kind,
+                        rows,
+                        tokens,
+                        *time_engine(engine, prompts, tokens, args.repeats, seed=0),
+                    )
+                    del engine
+                if not args.no_plain and allowed("plain", rows, tokens):
+                    timed = plain_generation.time_plain(
+                        model, prompts, tokens, args.repeats, seq_len=seq_len
+                    )
+                    record("plain JAX", rows, tokens, *timed)
+                if not args.no_transformers and allowed("transformers", rows, tokens):
+                    hf = time_transformers(args.layers, prompts, tokens, args.repeats)
+                    if hf is not None:
+                        record("transformers", rows, tokens, *hf)
+    except KeyboardInterrupt:
+        print("stopped (time limit or Ctrl-C): the table has the cells measured so far", flush=True)
 
     kinds = [
         *args.engines,

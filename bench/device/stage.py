@@ -115,13 +115,33 @@ def wanted(purpose: str) -> dict[str, str]:
     return keep
 
 
+def image_requirements(purpose: str) -> list[str]:
+    """``name==version`` of what marin-rl's closure takes from the image (at this venv's
+    versions): what ``bench/device/rehearse.sh`` installs to stand in for it."""
+    image = {canonicalize_name(n) for n in IMAGE.split()}
+    found = closure(["marin-rl", *(["gguf"] if purpose == "run" else [])])
+    return [
+        f"{n}=={v}"
+        for n, v in sorted(found.items())
+        if n != "marin-rl" and (n in NEVER or (n in image and n not in OWN_VERSIONS))
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--for", dest="purpose", choices=["bench", "run"], default="run")
     parser.add_argument(
+        "--image-requirements",
+        action="store_true",
+        help="print what the image is assumed to provide, one pin a line, and stage nothing",
+    )
+    parser.add_argument(
         "--part-mib", type=int, default=60, help="the most MiB in one part (the tree travels too)"
     )
     args = parser.parse_args()
+    if args.image_requirements:
+        print("\n".join(image_requirements(args.purpose)))
+        return
 
     shutil.rmtree(STAGE, ignore_errors=True)
     content = STAGE / "content"
