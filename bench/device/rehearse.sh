@@ -35,10 +35,16 @@ if [ ! -x "$py" ]; then
 fi
 
 mkdir -p "$work"
+dev=python
+[ -x .venv/bin/python ] && dev=.venv/bin/python
 if [ ! -x "$work/image/bin/python3" ]; then
+  requirements=$("$dev" bench/device/stage.py --for run --image-requirements)
+  if [ -z "$requirements" ]; then
+    echo "stage.py found no marin-rl installed in $dev's environment: activate the dev venv" >&2
+    exit 2
+  fi
   "$py" -m venv "$work/image"
-  "$work/image/bin/pip" install -q --no-deps \
-    -r <(python bench/device/stage.py --for run --image-requirements)
+  "$work/image/bin/pip" install -q --no-deps $requirements
 fi
 # A fresh cache, as there: SmolLM2's checkpoint is converted again, JAX compiles again.
 export PATH=$work/image/bin:$PATH RAY_TMPDIR=${RAY_TMPDIR:-$work/ray} XDG_CACHE_HOME=$work/cache
