@@ -148,23 +148,36 @@ def time_transformers(layers: int, prompts, tokens: int, repeats: int) -> tuple[
     return statistics.median(times), generated
 
 
+def engine_spec(model, seq_len: int, rows: int, dtype: str, platform: str):  # type: ignore[no-untyped-def]
+    from marin_rl_core import EngineSpec
+
+    return EngineSpec(
+        model=model,
+        max_seq_len=seq_len,
+        eos_id=QWEN3_0_6B["vocab"] - 1,
+        max_seqs=rows,
+        compute_dtype=dtype,
+        platform=platform,
+    )
+
+
+def limit(text: str) -> tuple[str, int]:
+    """``NAME=N`` of ``--limit``."""
+    name, _, n = text.partition("=")
+    if not name or not n.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=N, e.g. paged=8192")
+    return name, int(n)
+
+
 def check_plain(registry, model, seq_len: int, dtype: str, platform: str, kind: str) -> None:  # type: ignore[no-untyped-def]
     """Print how many of the plain JAX loop's greedy tokens equal ``kind``'s on a few prompts:
     the reference must generate what the model generates, not just generate fast."""
     import plain_generation
 
-    from marin_rl_core import EngineSpec
-
     prompts = prompts_for(4, seed=1)
-    spec = EngineSpec(
-        model=model,
-        max_seq_len=seq_len,
-        eos_id=QWEN3_0_6B["vocab"] - 1,
-        max_seqs=len(prompts),
-        compute_dtype=dtype,
-        platform=platform,
+    engine = registry.build_engine(
+        kind, engine_spec(model, seq_len, len(prompts), dtype, platform), None
     )
-    engine = registry.build_engine(kind, spec, None)
     equal, compared = plain_generation.greedy_agrees(model, engine, prompts, 8, seq_len=seq_len)
     print(f"plain JAX loop's greedy tokens equal to {kind}'s: {equal} of {compared}", flush=True)
 
@@ -184,6 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--limit",
         action="append",
+        type=limit,
         default=[],
         metavar="NAME=N",
         help="run NAME (an engine, 'plain' or 'transformers') only where rows x tokens is at most "
@@ -195,7 +209,7 @@ def main() -> None:
     import jax
     import plain_generation
 
-    from marin_rl_core import EngineSpec, build_registry
+    from marin_rl_core import build_registry
 
     registry = build_registry()
 
@@ -209,7 +223,7 @@ def main() -> None:
         f"({jax.devices()[0].device_kind}), prompts of 32-96 tokens, temperature 1",
         flush=True,
     )
-    limits = {name: int(n) for name, n in (item.split("=", 1) for item in args.limit)}
+    limits = dict(args.limit)
     results: dict[tuple[str, int, int], float] = {}
 
     def allowed(name: str, rows: int, tokens: int) -> bool:
@@ -245,14 +259,7 @@ def main() -> None:
                 for kind in args.engines:
                     if not allowed(kind, rows, tokens):
                         continue
-                    spec = EngineSpec(
-                        model=model,
-                        max_seq_len=seq_len,
-                        eos_id=QWEN3_0_6B["vocab"] - 1,
-                        max_seqs=rows,
-                        compute_dtype=dtype,
-                        platform=platform,
-                    )
+                    spec = engine_spec(model, seq_len, rows, dtype, platform)
                     # The paged engine prefills every prompt of a call at once (as marinrl runs it).
                     config = (
                         registry.get("engine", kind).config_class(

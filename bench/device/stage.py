@@ -102,13 +102,22 @@ def closure(roots: list[str]) -> dict[str, str]:
     return seen
 
 
+IMAGE_NAMES = {canonicalize_name(n) for n in IMAGE.split()}
+
+
+def _closure_for(purpose: str) -> dict[str, str]:
+    return closure(["marin-rl", *(["gguf"] if purpose == "run" else [])])
+
+
+def _image_has(name: str) -> bool:
+    """Whether the image provides ``name`` at a version marinrl runs with (marin-rl is built)."""
+    return name != "marin-rl" and (
+        name in NEVER or (name in IMAGE_NAMES and name not in OWN_VERSIONS)
+    )
+
+
 def wanted(purpose: str) -> dict[str, str]:
-    image = {canonicalize_name(n) for n in IMAGE.split()}
-    roots = ["marin-rl", *(["gguf"] if purpose == "run" else [])]
-    found = closure(roots)
-    keep = {
-        n: v for n, v in found.items() if n not in NEVER and (n not in image or n in OWN_VERSIONS)
-    }
+    keep = {n: v for n, v in _closure_for(purpose).items() if n != "marin-rl" and not _image_has(n)}
     if purpose == "bench":
         ray_only = set(closure(["ray"])) - set(closure(["levanter", "haliax", "transformers"]))
         keep = {n: v for n, v in keep.items() if n not in ray_only and n not in ONLY_FOR_RUN}
@@ -118,13 +127,7 @@ def wanted(purpose: str) -> dict[str, str]:
 def image_requirements(purpose: str) -> list[str]:
     """``name==version`` of what marin-rl's closure takes from the image (at this venv's
     versions): what ``bench/device/rehearse.sh`` installs to stand in for it."""
-    image = {canonicalize_name(n) for n in IMAGE.split()}
-    found = closure(["marin-rl", *(["gguf"] if purpose == "run" else [])])
-    return [
-        f"{n}=={v}"
-        for n, v in sorted(found.items())
-        if n != "marin-rl" and (n in NEVER or (n in image and n not in OWN_VERSIONS))
-    ]
+    return [f"{n}=={v}" for n, v in sorted(_closure_for(purpose).items()) if _image_has(n)]
 
 
 def main() -> None:

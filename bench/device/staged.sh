@@ -45,5 +45,7 @@ path=/tmp/site:$here/bench/device/shim
 export PYTHONPATH=$path${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1
 gguf=$(find /tmp/stage/content -maxdepth 1 -name '*.gguf' | head -1)
 [ -z "$gguf" ] || export SMOLLM2_GGUF=$gguf  # bench/smollm2.py converts it on first use
-! command -v nvidia-smi > /dev/null || nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+if command -v nvidia-smi > /dev/null; then
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+fi
 exec "$@"
