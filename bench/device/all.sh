@@ -8,11 +8,15 @@ python3 -c 'import jax; print(jax.devices())' 2>&1 | tail -1
 # 1. Generation, issue 48: every engine side by side (paged and dense only on cells they finish
 #    in time, the plain JAX loop at 32 x 128 only: it compiles once per cell). On its time limit
 #    it still prints the table of the cells it measured.
-timeout 230 python3 bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
+timeout 220 python3 bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
   --limit paged=8192 --limit dense=8192 --limit plain=4096 2>&1 | grep -v -i "warning" \
   | tee "$out/generation.log"
 # 2. A real model learning, colocated, issue 49.
-timeout 250 python3 bench/real_model.py --steps 10 2>&1 | tail -40 | tee "$out/real_model.log"
+timeout 240 python3 bench/real_model.py --steps 10 2>&1 | tail -40 | tee "$out/real_model.log"
 # 3. The agent endpoint, issue 48 (its programs in 8 env processes; 98 s on the 2-core CPU).
 timeout 100 bash -c 'cd bench && python3 agent_endpoint.py --processes 8 --batches 3 --warm-up 2' \
   2>&1 | grep -v -i "warning" | tail -20 | tee "$out/agent_endpoint.log"
+# 4. The kv engine's attention against jax.nn.dot_product_attention (xla, cudnn), issue 48's
+#    "where that is faster, measured".
+timeout 30 python3 bench/attention.py --rows 32 256 --windows 256 1024 2>&1 \
+  | grep -v -i "warning" | tail -12 | tee "$out/attention.log"

@@ -107,13 +107,16 @@ def _qkv(layer: Any, x: jax.Array, pos: hax.NamedArray) -> tuple[jax.Array, ...]
     )
 
 
-def _attend(
-    layer: Any, q: jax.Array, keys_t: jax.Array, values: jax.Array, visible: jax.Array
+def attend(
+    config: Any, q: jax.Array, keys_t: jax.Array, values: jax.Array, visible: jax.Array
 ) -> jax.Array:
     """Attention of ``q [b, kv_head, group, t, d]`` over ``keys_t [b, kv_head, d, s]`` and
     ``values [b, kv_head, s, d]`` where ``visible [b, t, s]``, softmax in float32; returns
-    ``[b, t, heads * d]`` (heads ordered kv-head-major, as levanter flattens them)."""
-    config = layer.self_attn.config
+    ``[b, t, heads * d]`` (heads ordered kv-head-major, as levanter flattens them). ``config``
+    is the layer's attention config (its ``head_size``, ``scaling_factor``, ``logits_soft_cap``).
+
+    Two einsums on these layouts, not ``jax.nn.dot_product_attention``: measured side by side
+    by ``bench/attention.py`` (docs/plugins.md#kv)."""
     b, k, g, t, d = q.shape
     scale = config.scaling_factor or 1.0 / math.sqrt(config.head_size)
     scores = jnp.matmul(q.reshape(b, k, g * t, d), keys_t, preferred_element_type=jnp.float32)
@@ -220,7 +223,7 @@ def prefill(
         v_caches.append(
             v_cache.at[slots, :, :width].set(v[source].astype(v_cache.dtype), mode="drop")
         )
-        x = _finish_layer(layer, x, _attend(layer, q, k, v, visible))
+        x = _finish_layer(layer, x, attend(layer.self_attn.config, q, k, v, visible))
     hidden = _final_norm(model, x)
     last = hidden[jnp.arange(n_prompts), prompt_len - 1]  # [P, embed]
     logits = _logits(last[source], _lm_head(model))
@@ -270,7 +273,7 @@ def refill(
         q, k, v = _qkv(layer, x, pos)
         k_caches.append(k_cache.at[slots, :, :, :width].set(k.astype(k_cache.dtype), mode="drop"))
         v_caches.append(v_cache.at[slots, :, :width].set(v.astype(v_cache.dtype), mode="drop"))
-        x = _finish_layer(layer, x, _attend(layer, q, k, v, visible))
+        x = _finish_layer(layer, x, attend(layer.self_attn.config, q, k, v, visible))
     return dataclasses.replace(state, k=tuple(k_caches), v=tuple(v_caches))
 
 
@@ -312,7 +315,7 @@ def decode_round(
             v_cache = v_caches[li].at[index, :, at].set(v[:, :, 0].astype(v_caches[li].dtype))
             k_caches[li], v_caches[li] = k_cache, v_cache
             keys_t, values = k_cache[:rows, :, :, :window], v_cache[:rows, :, :window]
-            x = _finish_layer(layer, x, _attend(layer, q, keys_t, values, visible))
+            x = _finish_layer(layer, x, attend(layer.self_attn.config, q, keys_t, values, visible))
         k_caches, v_caches = tuple(k_caches), tuple(v_caches)
         hidden = _final_norm(model, x)[:, 0]
         logits = _logits(hidden, head)
