@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 
 from marin_rl_core.types import Rollout
 
@@ -216,15 +217,15 @@ class Transcript:
         for p, indices in enumerate(self.parts):
             tip = self.calls[indices[-1]]
             tokens = tip.prompt_ids + tip.completion_ids
-            mask = [False] * len(tokens)
-            logprobs = [0.0] * len(tokens)
+            mask = np.zeros(len(tokens), np.bool_)
+            logprobs = np.zeros(len(tokens), np.float32)
             starts = []
             for i in indices:
                 call = self.calls[i]
                 start = len(call.prompt_ids)
                 starts.append(start)
-                for k, lp in enumerate(call.logprobs):
-                    mask[start + k], logprobs[start + k] = True, lp
+                span = slice(start, start + len(call.logprobs))
+                mask[span], logprobs[span] = True, call.logprobs
             out.append(
                 Rollout(
                     env_name=env_name,
