@@ -219,7 +219,7 @@ class Rollout:
     @property
     def num_policy_tokens(self) -> int:
         """Tokens the policy sampled (the ones the loss trains on)."""
-        return int(self.loss_mask.sum())
+        return int(np.count_nonzero(self.loss_mask))
 
     def turn_spans(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each turn in ``tokens``: its action, then its observation."""

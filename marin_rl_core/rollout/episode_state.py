@@ -140,7 +140,7 @@ def span_weight_steps(
 def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> Action:
     """Record a sampled action after the episode's tokens so far; the action as the env sees
     it."""
-    tokens = [int(t) for t in sample.tokens]
+    tokens = np.asarray(sample.tokens, dtype=np.int64).reshape(-1).tolist()
     if not tokens:
         raise EpisodeFailure("error", "the sampler returned an empty action")
     steps, truncated = sample.weight_steps, not sample.stopped
@@ -149,7 +149,7 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
         (),
         {},
         tokens,
-        [float(x) for x in sample.logprobs],
+        np.asarray(sample.logprobs, dtype=np.float64).reshape(-1).tolist(),
         weight_step=steps[0] if steps else 0,
         truncated=truncated,
     )

@@ -59,6 +59,8 @@ def canonical_message(message: Mapping[str, Any]) -> str:
             ]
         if value not in (None, "", []):
             out[key] = value
+    if not out:  # (every framework episode's action: no messages; json.dumps costs 5 us)
+        return "{}"
     return json.dumps(out, sort_keys=True, ensure_ascii=False)
 
 
