@@ -149,7 +149,7 @@ def take_action(live: Live, sample: Any, stop_set: set[int], tokenizer: Any) -> 
         (),
         {},
         tokens,
-        np.asarray(sample.logprobs, dtype=np.float64).reshape(-1).tolist(),
+        sample.logprobs,
         weight_step=steps[0] if steps else 0,
         truncated=truncated,
     )
