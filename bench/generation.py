@@ -12,22 +12,28 @@ greedy paths early) and, where ``torch`` and
 ``transformers`` import and a GPU is present, to transformers' ``generate`` (eager, sdpa, a
 random model of the same shape).
 
-    python bench/generation.py                                  # CPU: 2 layers, 32 rows x 128
+    python bench/generation.py                      # CPU: 2 layers, 32 rows x 32, kv and paged
+    python bench/generation.py --tokens 128 --repeats 3     # CPU: issue 48's cell (~5 minutes)
     python bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
+        --engines kv paged dense \
         --limit paged=8192 --limit dense=8192 --limit plain=4096  # a GPU (bench/device/all.sh)
 
-Cells run every row count at the first token count first (the bars' cells); ``--limit NAME=N``
-skips an engine (or ``plain``, ``transformers``) where rows x tokens exceeds N. A time limit
-(``timeout``'s SIGTERM) or Ctrl-C stops the measuring and still prints the table of what finished.
+The default run takes about a minute on a 2-core CPU. ``dense`` runs only when named: it
+recomputes the whole sequence for every token (tens of minutes at 32 x 128 on a CPU). Cells run
+kv and paged at the first rows x tokens first (the last line's ratio), then every row count at
+the first token count (the bars' cells); ``--limit NAME=N`` skips an engine (or ``plain``,
+``transformers``) where rows x tokens exceeds N. The cells are measured in a child process
+(bench/cells.py): a time limit (``timeout``'s SIGTERM) or Ctrl-C stops it at once, mid-cell too,
+and the table of what finished is still printed.
 
 The last line is ``speed-up over paged: N.NNx``: the ``kv`` engine against the paged engine at
-the first row count and token count given (32 x 128 by default).
+the first row count and token count given (32 x 32 by default).
 """
 
 from __future__ import annotations
 
 import argparse
-import signal
+import os
 import statistics
 import sys
 import time
@@ -75,21 +81,53 @@ def prompts_for(rows: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
+class CompileCounter:
+    """Counts the XLA compilations of this process (jax.monitoring), to tell a timed call that
+    compiled from one that did not."""
+
+    def __init__(self) -> None:
+        from jax._src import monitoring
+
+        self.count = 0
+
+        def listen(event: str, duration: float, **kwargs: object) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.count += 1
+
+        monitoring.register_event_duration_secs_listener(listen)
+
+
+COMPILES: CompileCounter | None = None
+
+
 def time_engine(engine, prompts, tokens: int, repeats: int, seed: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """(median seconds, tokens generated) of ``engine.generate`` on ``prompts``."""
+    """(median seconds, tokens generated) of ``engine.generate`` on ``prompts``, compiled first.
+
+    The warm-up generates a few tokens only (a full one took as long as the timed call: the
+    paged engine's 22 s at 32 x 32 on a 2-core CPU); a timed call that still compiled something
+    (an attention window the warm-up did not reach) is not counted, and is timed again."""
+    global COMPILES
     from marin_rl_core.rollout.inference import sample_prompts
 
-    sample_prompts(
-        engine, prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + 1000
-    )  # compile
-    times, generated = [], 0
-    for r in range(repeats):
-        start = time.perf_counter()
+    if COMPILES is None:
+        COMPILES = CompileCounter()
+
+    def call(max_tokens: int, seed: int) -> tuple[float, int, int]:
+        compiles, start = COMPILES.count, time.perf_counter()
         out = sample_prompts(
-            engine, prompts, n=1, temperature=1.0, max_tokens=tokens, seed=seed + r
+            engine, prompts, n=1, temperature=1.0, max_tokens=max_tokens, seed=seed
         )
-        times.append(time.perf_counter() - start)
-        generated = sum(int(s.tokens.size) for group in out for s in group)
+        seconds = time.perf_counter() - start
+        return seconds, sum(int(s.tokens.size) for g in out for s in g), COMPILES.count - compiles
+
+    call(min(tokens, 4), seed + 1000)  # compile
+    times, generated, retimed = [], 0, 0
+    while len(times) < repeats:
+        seconds, generated, compiled = call(tokens, seed + len(times) + retimed)
+        if compiled and retimed < 2:
+            retimed += 1
+            continue
+        times.append(seconds)
     return statistics.median(times), generated
 
 
@@ -182,13 +220,17 @@ def check_plain(registry, model, seq_len: int, dtype: str, platform: str, kind: 
     print(f"plain JAX loop's greedy tokens equal to {kind}'s: {equal} of {compared}", flush=True)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2, help="of Qwen3-0.6B's 28 layers")
     parser.add_argument("--rows", type=int, nargs="+", default=[32])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[128])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32])
     parser.add_argument(
-        "--engines", nargs="+", default=["paged", "dense", "kv"], help="engine plugin names"
+        "--engines",
+        nargs="+",
+        default=["kv", "paged"],
+        help="engine plugin names (dense, which recomputes every position for every token, "
+        "only when named: on a CPU it takes tens of minutes at 32 x 128)",
     )
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on an accelerator")
@@ -204,9 +246,39 @@ def main() -> None:
         "N; on a GPU the paged engine makes ~200 tok/s (256 x 512 alone would take ten "
         "minutes), dense recomputes the whole sequence every token, plain compiles per cell",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def cell_order(args: argparse.Namespace) -> list[tuple[str, int, int]]:
+    """``(name, rows, tokens)`` in the order they are measured: the last line's two cells (kv and
+    paged at the first rows x tokens) first, so a short time limit still gets the ratio; then
+    every row count at the first token count (the bars' cells), the other token counts after."""
+    order: list[tuple[str, int, int]] = []
+    first = (args.rows[0], args.tokens[0])
+    for kind in ("kv", "paged"):
+        if kind in args.engines:
+            order.append((kind, *first))
+    for tokens in args.tokens:
+        for rows in args.rows:
+            for kind in args.engines:
+                order.append((kind, rows, tokens))
+            if not args.no_plain:
+                order.append(("plain JAX", rows, tokens))
+            if not args.no_transformers:
+                order.append(("transformers", rows, tokens))
+    return list(dict.fromkeys(order))
+
+
+def measure(args: argparse.Namespace) -> None:
+    """The measuring child (bench/cells.py): every cell in :func:`cell_order`, each reported as
+    it finishes."""
+    import cells
     import jax
+
+    if jax.devices()[0].platform == "cpu":
+        # transformers' generate runs on a GPU only; without torch, levanter's import (through
+        # transformers) takes half the time.
+        os.environ.setdefault("USE_TORCH", "0")
     import plain_generation
 
     from marin_rl_core import build_registry
@@ -224,74 +296,60 @@ def main() -> None:
         flush=True,
     )
     limits = dict(args.limit)
-    results: dict[tuple[str, int, int], float] = {}
-
-    def allowed(name: str, rows: int, tokens: int) -> bool:
-        if rows * tokens <= limits.get(name, rows * tokens):
-            return True
-        print(f"  {name:>12} {rows:>4} rows x {tokens:>4} tokens: skipped (--limit {name}=...)")
-        return False
-
-    def record(name: str, rows: int, tokens: int, seconds: float, generated: int) -> None:
-        results[(name, rows, tokens)] = generated / seconds
+    checked_plain = False
+    for name, rows, tokens in cell_order(args):
+        limit_name = "plain" if name == "plain JAX" else name
+        if rows * tokens > limits.get(limit_name, rows * tokens):
+            print(
+                f"  {name:>12} {rows:>4} rows x {tokens:>4} tokens: skipped (--limit {limit_name}=...)"
+            )
+            continue
+        prompts = prompts_for(rows)
+        if name == "plain JAX":
+            if not checked_plain and dtype == "float32":  # bfloat16's rounding parts paths early
+                check_plain(
+                    registry, model, seq_len, dtype, platform,
+                    "kv" if "kv" in args.engines else args.engines[0],
+                )  # fmt: skip
+                checked_plain = True
+            timed = plain_generation.time_plain(
+                model, prompts, tokens, args.repeats, seq_len=seq_len
+            )
+        elif name == "transformers":
+            timed = time_transformers(args.layers, prompts, tokens, args.repeats)
+            if timed is None:
+                continue
+        else:
+            spec = engine_spec(model, seq_len, rows, dtype, platform)
+            # The paged engine prefills every prompt of a call at once (as marinrl runs it).
+            config = (
+                registry.get("engine", name).config_class(max_prefill_tokens=max(2048, rows * 128))
+                if name == "paged"
+                else None
+            )
+            engine = registry.build_engine(name, spec, config)
+            timed = time_engine(engine, prompts, tokens, args.repeats, seed=0)
+            del engine
+        seconds, generated = timed
         print(
             f"  {name:>12} {rows:>4} rows x {tokens:>4} tokens: {generated / seconds:9.1f} "
             f"tok/s ({seconds:.2f} s)",
             flush=True,
         )
+        cells.emit(name=name, rows=rows, tokens=tokens, rate=generated / seconds)
 
-    # A time limit (timeout's SIGTERM) or Ctrl-C ends the measuring, not the report.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        if not args.no_plain and dtype == "float32":
-            check_plain(
-                registry,
-                model,
-                seq_len,
-                dtype,
-                platform,
-                "kv" if "kv" in args.engines else args.engines[0],
-            )
-        # Every row count at the first token count first: the bars' cells come before the rest.
-        for tokens in args.tokens:
-            for rows in args.rows:
-                prompts = prompts_for(rows)
-                for kind in args.engines:
-                    if not allowed(kind, rows, tokens):
-                        continue
-                    spec = engine_spec(model, seq_len, rows, dtype, platform)
-                    # The paged engine prefills every prompt of a call at once (as marinrl runs it).
-                    config = (
-                        registry.get("engine", kind).config_class(
-                            max_prefill_tokens=max(2048, rows * 128)
-                        )
-                        if kind == "paged"
-                        else None
-                    )
-                    engine = registry.build_engine(kind, spec, config)
-                    record(
-                        kind,
-                        rows,
-                        tokens,
-                        *time_engine(engine, prompts, tokens, args.repeats, seed=0),
-                    )
-                    del engine
-                if not args.no_plain and allowed("plain", rows, tokens):
-                    timed = plain_generation.time_plain(
-                        model, prompts, tokens, args.repeats, seq_len=seq_len
-                    )
-                    record("plain JAX", rows, tokens, *timed)
-                if not args.no_transformers and allowed("transformers", rows, tokens):
-                    hf = time_transformers(args.layers, prompts, tokens, args.repeats)
-                    if hf is not None:
-                        record("transformers", rows, tokens, *hf)
-    except KeyboardInterrupt:
-        print("stopped (time limit or Ctrl-C): the table has the cells measured so far", flush=True)
 
+def main() -> None:
+    args = parse_args()
+    import cells
+
+    if cells.in_child():
+        measure(args)
+        return
+    records, _ = cells.run_in_child()
+    results = {(r["name"], r["rows"], r["tokens"]): r["rate"] for r in records}
     kinds = [
-        *args.engines,
-        *(["plain JAX"] if any(k[0] == "plain JAX" for k in results) else []),
-        *(["transformers"] if any(k[0] == "transformers" for k in results) else []),
+        k for k in [*args.engines, "plain JAX", "transformers"] if any(c[0] == k for c in results)
     ]
     print()
     print("| engine | rows x new tokens | tok/s | / paged | / plain JAX | / transformers |")

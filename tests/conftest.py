@@ -14,6 +14,42 @@ from typer.testing import CliRunner
 pytest_plugins = ["marin_rl_core.testing"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """What every process of the suite shares (docs/development.md#tests):
+
+    * One JAX compilation cache for the whole run, new each run: the pytest processes (xdist's
+      workers too, which inherit the environment of the process that starts them) and every job
+      they start compile a program once between them.
+    * The processes the tests start (Ray workers, ``marinrl`` subprocesses) do not import torch.
+      The test extra installs torch only to write tiny checkpoints and compare with transformers
+      in the pytest process; a user's ``pip install marin-rl`` has none, and with it installed
+      ``import levanter`` pulls it in through transformers, doubling each process's start-up
+      (8.6 s against 4.3 s on a 2-core machine). transformers decides at its import whether torch
+      is there, so this process imports it first, then sets ``USE_TORCH=0`` for its children.
+    """
+    import os
+    import tempfile
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        cache = tempfile.mkdtemp(prefix="marinrl-test-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+        config.add_cleanup(lambda: __import__("shutil").rmtree(cache, ignore_errors=True))
+    from marin_rl_core.job import compile_cache
+
+    compile_cache.enable("auto")
+    if os.environ.get(_NO_TORCH_FOR_CHILDREN) == "1":  # an xdist worker: a child of the suite's
+        os.environ.pop("USE_TORCH", None)  # own, but a pytest process, with torch like any
+    elif "USE_TORCH" in os.environ:
+        return  # the user's own setting, kept
+    import transformers.utils.import_utils  # noqa: F401  (decides that torch is here, for this process)
+
+    os.environ["USE_TORCH"] = "0"
+    os.environ[_NO_TORCH_FOR_CHILDREN] = "1"
+
+
+_NO_TORCH_FOR_CHILDREN = "MARINRL_TESTS_SET_USE_TORCH"
+
+
 @pytest.fixture
 def install_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., Path]:
     """Install a distribution the way ``pip install --target`` lays it out (modules plus a

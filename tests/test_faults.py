@@ -328,6 +328,17 @@ def test_a_killed_rollout_worker_is_restarted_and_the_job_finishes(
     second = _pid(log, "rollout worker 0 process")
     assert second is not None and second != first, "a new process took over"
     assert "restarted after its process died" in log.read_text()
+    # A local job's processes run at the user's own priority (Ray starts its workers at
+    # niceness 15 unless told otherwise), the restarted one too.
+    import re
+
+    ours = os.nice(0)
+    assert (
+        re.findall(r"rollout worker 0 process \d+ .*, niceness (\d+)", log.read_text())
+        == [str(ours)] * 2
+    )
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert re.findall(r"trainer process \d+ .*, niceness (\d+)", trainer_log) == [str(ours)]
     driver = (run_dir / "driver.log").read_text()
     assert f"rollout worker 0 died (process {first}); restart 1 of 3" in driver
     from marin_rl_core.metrics import read_metrics

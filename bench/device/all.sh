@@ -9,6 +9,7 @@ python3 -c 'import jax; print(jax.devices())' 2>&1 | tail -1
 #    in time, the plain JAX loop at 32 x 128 only: it compiles once per cell). On its time limit
 #    it still prints the table of the cells it measured.
 timeout 220 python3 bench/generation.py --layers 28 --rows 32 64 256 --tokens 128 512 \
+  --engines kv paged dense \
   --limit paged=8192 --limit dense=8192 --limit plain=4096 2>&1 | grep -v -i "warning" \
   | tee "$out/generation.log"
 # 2. A real model learning, colocated, issue 49.

@@ -230,8 +230,9 @@ class TrainerService(_SetUpError):
         import ray
 
         logger.info(
-            "trainer process %d on node %s (%s)",
+            "trainer process %d on node %s (%s), niceness %d",
             os.getpid(), ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
+            os.nice(0),
         )  # fmt: skip
         if group is not None:  # before anything touches the devices
             from marin_rl_core.learner import multihost
@@ -333,11 +334,12 @@ class RolloutService(_SetUpError):
         ray.get(hub.worker_started.remote(wc.index, os.getpid()), timeout=LOG_TIMEOUT_S)
 
         logger.info(
-            "rollout worker %d process %d on node %s (%s)",
+            "rollout worker %d process %d on node %s (%s), niceness %d",
             wc.index,
             os.getpid(),
             ray.get_runtime_context().get_node_id(),
             ray.util.get_node_ip_address(),
+            os.nice(0),
         )
         from marin_rl_core.job import compile_cache
         from marin_rl_core.rollout.worker import RolloutWorker

@@ -253,6 +253,9 @@ class RLJob:
                 include_dashboard=False,
                 log_to_driver=False,
                 num_cpus=os.cpu_count() or 2,
+                # Ray starts its workers at niceness 15, for clusters shared with services: the
+                # job's trainer and samplers are the user's own work, at the user's priority.
+                _system_config={"worker_niceness": 0},
             )
         address = ray.get_runtime_context().gcs_address
         if not address.startswith(("127.", "[::1]", "localhost")):

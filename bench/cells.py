@@ -1,0 +1,77 @@
+"""Measurements in a child process, so that a bench stops when told.
+
+A compiled JAX call runs to its end before Python sees a signal: ``timeout``'s SIGTERM or a
+Ctrl-C in the middle of a long generation waited minutes for it. A bench built on this module
+runs itself again as a child (``in_child()`` is then true) that does the measuring and reports
+each finished cell with :func:`emit`; the parent echoes the child's output, keeps the cells, and
+on SIGTERM or Ctrl-C kills the child's whole process group at once and returns what arrived, so
+the bench prints the table of what finished within seconds, mid-cell too.
+
+    if cells.in_child():
+        measure(args)                      # calls cells.emit(name=..., rate=...) per cell
+        return
+    records, stopped = cells.run_in_child()
+    print_table(records)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+_CHILD = "MARINRL_BENCH_CHILD"
+_PREFIX = "@cell "
+
+
+def in_child() -> bool:
+    """Whether this process is the measuring child of :func:`run_in_child`."""
+    return os.environ.get(_CHILD) == "1"
+
+
+def emit(**record: Any) -> None:
+    """Report one finished measurement to the parent (a JSON line on stdout)."""
+    print(_PREFIX + json.dumps(record), flush=True)
+
+
+def run_in_child(env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], bool]:
+    """Run this script again, with the same arguments, as the measuring child; echo its output
+    and collect what it :func:`emit`\\ s. Returns ``(records, stopped)``: ``stopped`` when a
+    SIGTERM or Ctrl-C ended the measuring early or the child failed (its error is on stderr).
+    ``env``: extra environment variables for the child."""
+    records: list[dict[str, Any]] = []
+    child = subprocess.Popen(
+        [sys.executable, *sys.argv],
+        env={**os.environ, **(env or {}), _CHILD: "1"},
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+        start_new_session=True,  # its own process group: killed whole, compile threads and all
+    )
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    stopped = False
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            if line.startswith(_PREFIX):
+                records.append(json.loads(line[len(_PREFIX) :]))
+            else:
+                print(line, end="", flush=True)
+        if child.wait() != 0:
+            print(f"the measuring process failed (exit {child.returncode})", file=sys.stderr)
+            stopped = True
+    except KeyboardInterrupt:
+        stopped = True
+        print("stopped (time limit or Ctrl-C): the table has the cells measured so far", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if child.poll() is None:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
+    return records, stopped
