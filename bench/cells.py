@@ -37,15 +37,14 @@ def emit(**record: Any) -> None:
     print(_PREFIX + json.dumps(record), flush=True)
 
 
-def run_in_child(env: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], bool]:
+def run_in_child() -> tuple[list[dict[str, Any]], bool]:
     """Run this script again, with the same arguments, as the measuring child; echo its output
     and collect what it :func:`emit`\\ s. Returns ``(records, stopped)``: ``stopped`` when a
-    SIGTERM or Ctrl-C ended the measuring early or the child failed (its error is on stderr).
-    ``env``: extra environment variables for the child."""
+    SIGTERM or Ctrl-C ended the measuring early or the child failed (its error is on stderr)."""
     records: list[dict[str, Any]] = []
     child = subprocess.Popen(
         [sys.executable, *sys.argv],
-        env={**os.environ, **(env or {}), _CHILD: "1"},
+        env={**os.environ, _CHILD: "1"},
         stdout=subprocess.PIPE,
         text=True,
         bufsize=1,

@@ -35,6 +35,7 @@ the first row count and token count given (8 x 32 by default).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -83,44 +84,40 @@ def prompts_for(rows: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-class CompileCounter:
-    """Counts the XLA compilations of this process (jax.monitoring), to tell a timed call that
-    compiled from one that did not."""
+@functools.cache
+def compile_counter() -> list[int]:
+    """A one-element count of this process's XLA compilations (jax.monitoring), listening from
+    the first call on: it tells a timed call that compiled from one that did not."""
+    from jax._src import monitoring
 
-    def __init__(self) -> None:
-        from jax._src import monitoring
+    count = [0]
 
-        self.count = 0
+    def listen(event: str, duration: float, **kwargs: object) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            count[0] += 1
 
-        def listen(event: str, duration: float, **kwargs: object) -> None:
-            if event == "/jax/core/compile/backend_compile_duration":
-                self.count += 1
-
-        monitoring.register_event_duration_secs_listener(listen)
-
-
-COMPILES: CompileCounter | None = None
+    monitoring.register_event_duration_secs_listener(listen)
+    return count
 
 
 def time_engine(engine, prompts, tokens: int, repeats: int, seed: int) -> tuple[float, int]:  # type: ignore[no-untyped-def]
     """(median seconds, tokens generated) of ``engine.generate`` on ``prompts``, compiled first.
 
-    The warm-up generates a few tokens only (a full one took as long as the timed call: the
-    paged engine's 22 s at 32 x 32 on a 2-core CPU); a timed call that still compiled something
-    (an attention window the warm-up did not reach) is not counted, and is timed again."""
-    global COMPILES
+    The warm-up generates a few tokens only (a full one costs the kv engine a whole timed call;
+    levanter's paged engine takes as long at any length); a timed call that still compiled
+    something (an attention window the warm-up did not reach) is not counted, and is timed
+    again."""
     from marin_rl_core.rollout.inference import sample_prompts
 
-    if COMPILES is None:
-        COMPILES = CompileCounter()
+    compiles = compile_counter()
 
     def call(max_tokens: int, seed: int) -> tuple[float, int, int]:
-        compiles, start = COMPILES.count, time.perf_counter()
+        before, start = compiles[0], time.perf_counter()
         out = sample_prompts(
             engine, prompts, n=1, temperature=1.0, max_tokens=max_tokens, seed=seed
         )
         seconds = time.perf_counter() - start
-        return seconds, sum(int(s.tokens.size) for g in out for s in g), COMPILES.count - compiles
+        return seconds, sum(int(s.tokens.size) for g in out for s in g), compiles[0] - before
 
     call(min(tokens, 4), seed + 1000)  # compile
     times, generated, retimed = [], 0, 0

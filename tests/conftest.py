@@ -13,6 +13,10 @@ from typer.testing import CliRunner
 
 pytest_plugins = ["marin_rl_core.testing"]
 
+_NO_TORCH_FOR_CHILDREN = "MARINRL_TESTS_SET_USE_TORCH"
+"""Set beside ``USE_TORCH=0`` by the suite (not the user): an xdist worker inheriting both
+takes torch back for itself."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """What every process of the suite shares (docs/development.md#tests):
@@ -28,26 +32,24 @@ def pytest_configure(config: pytest.Config) -> None:
       is there, so this process imports it first, then sets ``USE_TORCH=0`` for its children.
     """
     import os
+    import shutil
     import tempfile
 
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
         cache = tempfile.mkdtemp(prefix="marinrl-test-jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
-        config.add_cleanup(lambda: __import__("shutil").rmtree(cache, ignore_errors=True))
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     from marin_rl_core.job import compile_cache
 
     compile_cache.enable("auto")
-    if os.environ.get(_NO_TORCH_FOR_CHILDREN) == "1":  # an xdist worker: a child of the suite's
-        os.environ.pop("USE_TORCH", None)  # own, but a pytest process, with torch like any
+    if os.environ.get(_NO_TORCH_FOR_CHILDREN) == "1":  # an xdist worker: a pytest process
+        os.environ.pop("USE_TORCH", None)
     elif "USE_TORCH" in os.environ:
         return  # the user's own setting, kept
     import transformers.utils.import_utils  # noqa: F401  (decides that torch is here, for this process)
 
     os.environ["USE_TORCH"] = "0"
     os.environ[_NO_TORCH_FOR_CHILDREN] = "1"
-
-
-_NO_TORCH_FOR_CHILDREN = "MARINRL_TESTS_SET_USE_TORCH"
 
 
 @pytest.fixture
