@@ -17,10 +17,23 @@ _NO_TORCH_FOR_CHILDREN = "MARINRL_TESTS_SET_USE_TORCH"
 """Set beside ``USE_TORCH=0`` by the suite (not the user): an xdist worker inheriting both
 takes torch back for itself."""
 
+QUICK_COMPILE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0",
+    "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false",
+)
+"""XLA's CPU compiler without LLVM's optimizations and with its older fused-kernel emitter: the
+suite's programs are tiny and run a few times each, so compiling them is most of an in-process
+test's time; these flags halve it (docs/development.md#tests). What is computed is the same
+program; only how well the CPU code is optimized differs. ``MARINRL_TESTS_OPTIMIZED_XLA=1``
+compiles as a user's job does."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """What every process of the suite shares (docs/development.md#tests):
 
+    * XLA's quick CPU compile (:data:`QUICK_COMPILE_XLA_FLAGS`) in ``XLA_FLAGS``, inherited by
+      every process the tests start; a test that simulates devices appends its device count.
     * One JAX compilation cache for the whole run, new each run: the pytest processes (xdist's
       workers too, which inherit the environment of the process that starts them) and every job
       they start compile a program once between them.
@@ -35,6 +48,11 @@ def pytest_configure(config: pytest.Config) -> None:
     import shutil
     import tempfile
 
+    if os.environ.get("MARINRL_TESTS_OPTIMIZED_XLA") != "1":
+        # Before any process compiles; the user's own XLA_FLAGS come after, so theirs win.
+        given = os.environ.get("XLA_FLAGS", "")
+        ours = [flag for flag in QUICK_COMPILE_XLA_FLAGS if flag.split("=")[0] not in given]
+        os.environ["XLA_FLAGS"] = " ".join([*ours, given]).strip()
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
         cache = tempfile.mkdtemp(prefix="marinrl-test-jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache

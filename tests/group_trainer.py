@@ -34,7 +34,10 @@ def main() -> None:
     faulthandler.dump_traceback_later(
         int(os.environ.get("GROUP_TRAINER_HANG_S", "240")), exit=True
     )  # a hang shows where, then exits
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    # After the XLA flags this process inherits (the suite's quick compile): the last
+    # value of a flag wins.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from marin_rl_core.learner import multihost
 

@@ -18,7 +18,10 @@ import sys
 
 
 def _start_jax(devices: int) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # After the XLA flags this process inherits (the suite's quick compile): the last
+    # value of a flag wins.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 

@@ -19,7 +19,10 @@ import sys
 def main() -> None:
     devices, tp, dtype, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     kind = sys.argv[5] if len(sys.argv) > 5 else "paged"
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # After the XLA flags this process inherits (the suite's quick compile): the last
+    # value of a flag wins.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax

@@ -28,7 +28,10 @@ def main() -> None:
     parser.add_argument("--load")
     parser.add_argument("--group", default="")
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    # After the XLA flags this process inherits (the suite's quick compile): the last
+    # value of a flag wins.
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     os.environ["JAX_PLATFORMS"] = "cpu"
     from marin_rl_core.learner import multihost
 

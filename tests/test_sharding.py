@@ -32,12 +32,10 @@ LAYOUTS = {
 
 
 def _run(devices: int, out: Path, *args: str) -> dict[str, np.ndarray]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), str(devices), str(out), *args],
         capture_output=True,
         text=True,
-        env=env,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -72,7 +70,6 @@ def run_group(argv: list[str], processes: int) -> None:
     group on 127.0.0.1 (each sets its own simulated devices); asserts that all exit 0."""
     from marin_rl_core.testing import free_port
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     coordinator = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
@@ -80,7 +77,6 @@ def run_group(argv: list[str], processes: int) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env=env,
         )  # fmt: skip
         for i in range(processes)
     ]
@@ -199,13 +195,11 @@ def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scor
     import json
 
     out = tmp_path / "sampling.json"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     script = Path(__file__).with_name("sharded_sampling.py")
     proc = subprocess.run(
         [sys.executable, str(script), str(devices), str(tp), dtype, str(out), engine],
         capture_output=True,
         text=True,
-        env=env,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -227,13 +221,12 @@ def test_logprobs_of_a_batch_sharded_over_devices_stay_on_each_devices_rows(tmp_
     import json
 
     script = Path(__file__).with_name("sharded_logprobs.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     got = {}
     for devices in (1, 4):
         out = tmp_path / f"{devices}.json"
         proc = subprocess.run(
             [sys.executable, str(script), str(devices), str(out)],
-            capture_output=True, text=True, env=env, timeout=600,
+            capture_output=True, text=True, timeout=600,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
         got[devices] = json.loads(out.read_text())
@@ -249,11 +242,10 @@ def test_with_fsdp_the_lm_head_is_computed_vocabulary_parallel(tmp_path):
     import json
 
     script = Path(__file__).with_name("sharded_logprobs.py")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = tmp_path / "fsdp.json"
     proc = subprocess.run(
         [sys.executable, str(script), "4", str(out), "fsdp"],
-        capture_output=True, text=True, env=env, timeout=600,
+        capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = json.loads(out.read_text())
@@ -294,8 +286,9 @@ def test_the_guides_four_device_command_trains_on_a_sharded_mesh(tmp_path):
     block = text.split("<!-- docs-test: four-cpu-devices -->", 1)[1]
     command = shlex.split(block.split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " "))
     start = command.index("marinrl")
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     env.update(assignment.split("=", 1) for assignment in command[:start])
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}"  # the suite's first
     argv = command[start:]
     assert argv[:2] == ["marinrl", "run"] and env["XLA_FLAGS"].endswith("device_count=4")
     small = ["trainer.num_train_steps=3", "eval.n_examples=8", "eval.frequency=100"]
@@ -319,8 +312,8 @@ def test_a_colocated_job_trains_and_samples_over_all_four_devices_of_its_process
     """resources.colocate with several devices: one process; the trainer's mesh spans all four
     (FSDP 2 x tensor-parallel 2) and the sampler splits the model over two of the same devices;
     each publish is placed into the sampler's shardings in the process."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
     settings = [
         "resources.colocate=true",
         "trainer.batch_size=64",

@@ -20,10 +20,6 @@ SCRIPT = Path(__file__).with_name("group_trainer.py")
 STEPS = 3
 
 
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-
-
 def _write_rollouts(directory: Path) -> None:
     """Ten batches of two groups of two rollouts with different rewards (mock env tokens)."""
     from marin_rl_core import build_registry
@@ -76,7 +72,7 @@ def _run(devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, gro
         run_group(argv, group)
     else:
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
-                              env=_env(), timeout=600)  # fmt: skip
+                              timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
@@ -132,7 +128,8 @@ def test_a_job_whose_trainer_spans_two_hosts_stops_on_a_dead_host_and_resumes(
     from marin_rl_core.errors import ExitCode
     from marin_rl_core.learner.checkpoint import latest_checkpoint
 
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=2")
     run_dir = tmp_path / "hosts"
     job = [*tiny_mock_job, "--set", "resources.trainer_hosts=2",
            "--set", "trainer.checkpoint_interval_steps=2"]  # fmt: skip
