@@ -154,18 +154,30 @@ def main() -> None:
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     if unknown := [s for s in shapes if s not in SHAPES]:
         parser.error(f"unknown shape(s) {unknown}: choose from {list(SHAPES)}")
-    episodes = args.problems * args.samples
-    print(
-        f"{episodes} concurrent episodes, {args.turns} calls of up to {args.action_tokens} tokens "
-        f"each; agents use the {args.client} OpenAI client"
-    )
-    results = {shape: measure(args, SHAPES[shape]) for shape in shapes}
+    import cells
+
+    # Each shape in a child process (bench/cells.py): a time limit or Ctrl-C stops it at once
+    # and the shapes measured so far are reported.
+    if cells.in_child():
+        episodes = args.problems * args.samples
+        print(
+            f"{episodes} concurrent episodes, {args.turns} calls of up to {args.action_tokens} "
+            f"tokens each; agents use the {args.client} OpenAI client"
+        )
+        for shape in shapes:
+            best, overhead_ms = measure(args, SHAPES[shape])
+            cells.emit(shape=shape, best=best, overhead_ms=overhead_ms)
+        return
+    records, _ = cells.run_in_child()
+    results = {r["shape"]: (r["best"], r["overhead_ms"]) for r in records}
+    if not results:
+        return
     for shape, (best, overhead_ms) in results.items():
         print(
             f"{shape}: HTTP / in process {best:.2f}; each HTTP call costs {overhead_ms:.2f} ms "
             "more than an in-process turn"
         )
-    last = shapes[-1]
+    last = list(results)[-1]
     print(
         f"tokens/s through HTTP / in process, the better way, {last} shape: "
         f"{results[last][0]:.2f} (bar: >= 0.8)"

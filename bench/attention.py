@@ -21,7 +21,9 @@ checked equal first (float32 tolerance; bf16 on a GPU).
     python bench/attention.py --rows 32 256 --windows 256 1024 --dtype bfloat16   # a GPU
 
 The last line is ``dot_product_attention (best) / kv engine, decode: N.NNx`` at the first
-rows and window: above 1 means the library's attention would be faster in the engine.
+rows and window: above 1 means the library's attention would be faster in the engine. The shapes
+are measured in a child process (bench/cells.py): a time limit or Ctrl-C stops it at once and
+prints the table of the shapes measured so far.
 """
 
 from __future__ import annotations
@@ -160,6 +162,35 @@ def main() -> None:
         "--dtype", type=_dtype, default=None, help="default: bfloat16 on a GPU, float32 else"
     )
     args = parser.parse_args()
+    import cells
+
+    if cells.in_child():
+        measure_all(args)
+        return
+    records, _ = cells.run_in_child()
+    implementations = next((r["implementations"] for r in records if "implementations" in r), [])
+    rows = [r for r in records if "row" in r]
+    print()
+    print(
+        "| shape | kv engine | "
+        + " | ".join(f"dot_product_attention ({n})" for n in implementations)
+        + " |"
+    )
+    print("| --- | --- | " + " | ".join("---" for _ in implementations) + " |")
+    for r in rows:
+        row = r["row"]
+        print("| " + " | ".join(row + ["-"] * (2 + len(implementations) - len(row))) + " |")
+    first_ratio = next((r["ratio"] for r in rows if r["ratio"] is not None), None)
+    if first_ratio is None:
+        print("dot_product_attention (best) / kv engine, decode: n/a (no implementation ran)")
+    else:
+        print(f"dot_product_attention (best) / kv engine, decode: {first_ratio:.2f}x")
+
+
+def measure_all(args: argparse.Namespace) -> None:
+    """The measuring child (bench/cells.py): emits the implementations, then a table row per
+    shape with its decode ratio (best library time over the engine's; ``None`` for prefill)."""
+    import cells
 
     gpu = jax.default_backend() == "gpu"
     dtype = args.dtype or jnp.dtype("bfloat16" if gpu else "float32")
@@ -169,10 +200,9 @@ def main() -> None:
         f"{jax.devices()[0].device_kind} ({jax.default_backend()}), {dtype.name}, "
         f"{HEADS} heads in {KV_HEADS} groups of {HEAD_SIZE}, {args.layers} attentions a call"
     )
-    table, first_ratio = [], None
+    cells.emit(implementations=implementations)
 
     def measure(label: str, engine, library, engine_args, library_args) -> None:  # type: ignore[no-untyped-def]
-        nonlocal first_ratio
         reference = np.asarray(jax.jit(engine)(*engine_args), np.float32)
         ours = _timed(_chain(engine, args.layers), *engine_args, repeats=args.repeats)
         best = None
@@ -192,9 +222,8 @@ def main() -> None:
             seconds = _timed(_chain(fn, args.layers), *library_args, repeats=args.repeats)
             row.append(f"{seconds * 1e3:.2f} ms ({ours / seconds:.2f}x)")
             best = seconds if best is None else min(best, seconds)
-        table.append(row)
-        if first_ratio is None and label.startswith("decode") and best is not None:
-            first_ratio = ours / best
+        decode = label.startswith("decode") and best is not None
+        cells.emit(row=row, ratio=ours / best if decode else None)
 
     for rows in args.rows:
         for window in args.windows:
@@ -210,20 +239,6 @@ def main() -> None:
     prompts, width = args.prefill
     q, k, v = prefill_inputs(prompts, width, dtype)
     measure(f"prefill {prompts} x {width}", prefill_engine, prefill_library, (q, k, v), (q, k, v))
-
-    print()
-    print(
-        "| shape | kv engine | "
-        + " | ".join(f"dot_product_attention ({n})" for n in implementations)
-        + " |"
-    )
-    print("| --- | --- | " + " | ".join("---" for _ in implementations) + " |")
-    for row in table:
-        print("| " + " | ".join(row + ["-"] * (2 + len(implementations) - len(row))) + " |")
-    if first_ratio is None:
-        print("dot_product_attention (best) / kv engine, decode: n/a (no implementation ran)")
-    else:
-        print(f"dot_product_attention (best) / kv engine, decode: {first_ratio:.2f}x")
 
 
 if __name__ == "__main__":

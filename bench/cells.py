@@ -12,6 +12,9 @@ the bench prints the table of what finished within seconds, mid-cell too.
         return
     records, stopped = cells.run_in_child()
     print_table(records)
+
+A bench that prints its figures as it measures them runs its whole measuring in the child
+instead: ``cells.measure_in_child(measure, args)``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _CHILD = "MARINRL_BENCH_CHILD"
@@ -74,3 +78,14 @@ def run_in_child() -> tuple[list[dict[str, Any]], bool]:
                 pass
             child.wait()
     return records, stopped
+
+
+def measure_in_child(measure: Callable[..., Any], *args: Any) -> bool:
+    """``measure(*args)`` in the measuring child, for a bench that prints its figures as it goes:
+    a time limit or Ctrl-C ends it at once, the figures printed so far standing. Returns
+    ``stopped`` (see :func:`run_in_child`); in the child, ``False`` once ``measure`` returns."""
+    if in_child():
+        measure(*args)
+        return False
+    _, stopped = run_in_child()
+    return stopped

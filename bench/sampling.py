@@ -8,6 +8,9 @@ ratios to the paged engine (issue 11: its host work per sequence dominates short
 
     python bench/sampling.py [--lesson add_1digit] [--batches 20] [--set KEY=VALUE ...]
     python bench/sampling.py --env guess --lesson guess_digit   # multi-turn episodes
+
+Each engine is measured in a child process (bench/cells.py): a time limit (``timeout``'s SIGTERM)
+or Ctrl-C stops it at once and prints the table of the engines measured so far.
 """
 
 from __future__ import annotations
@@ -68,7 +71,14 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--engines", nargs="+", default=["paged", "dense", "kv"])
     args = parser.parse_args()
-    results = {kind: measure(kind, args) for kind in args.engines}
+    import cells
+
+    if cells.in_child():
+        for kind in args.engines:
+            cells.emit(kind=kind, **measure(kind, args))
+        return
+    records, _ = cells.run_in_child()
+    results = {r.pop("kind"): r for r in records}
     print(f"{'sampler':>8} {'batch ms':>9} {'generate ms':>12} {'rollouts':>9}")
     for kind, r in results.items():
         print(f"{kind:>8} {r['batch_ms']:>9.1f} {r['generate_ms']:>12.1f} {r['rollouts']:>9.0f}")

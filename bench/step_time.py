@@ -14,6 +14,9 @@ compiled step (temporaries, arguments and outputs).
     python bench/step_time.py --losses rloo grpo ppo   # each loss against its own CE step
     # a small Qwen3-shaped checkpoint with Qwen's real 151,936-token vocabulary:
     python bench/step_time.py --hf-vocab 151936 --set trainer.batch_size=64
+
+The rollout figures print first, then each loss's step figures as they are measured, in a child
+process (bench/cells.py): a time limit or Ctrl-C stops it at once, what was printed standing.
 """
 
 from __future__ import annotations
@@ -41,6 +44,14 @@ def main() -> None:
         "--losses", nargs="+", default=[], help="bench each of these losses (default: the run's)"
     )
     args = parser.parse_args()
+    import cells
+
+    # In a child process (bench/cells.py): a time limit or Ctrl-C stops it at once, the figures
+    # printed so far standing.
+    cells.measure_in_child(measure, args)
+
+
+def measure(args: argparse.Namespace) -> None:
     if args.hf_vocab:
         import tempfile
 
@@ -82,6 +93,8 @@ def main() -> None:
     rollout_figures = compare_rollouts(manager, config, lesson.id)
     # Real rollouts from the inference engine, so the batch has realistic lengths.
     rollouts = rollout_figures.pop("batch").rollouts
+    print_rollout_figures(config, lesson.id, rollout_figures)
+    print()
     size = config.trainer.batch_size
     rollouts = (rollouts * (size // len(rollouts) + 1))[:size]
     advantages = np.random.default_rng(0).normal(size=len(rollouts)).astype(np.float32)
@@ -104,7 +117,6 @@ def main() -> None:
         step_figures = compare_steps(loss_config, registry, model, tb, repeats=args.repeats)
         print_step_figures(loss_config, step_figures)
         print()
-    print_rollout_figures(config, lesson.id, rollout_figures)
 
 
 def compare_rollouts(manager, config, lesson_id: str, *, calls: int = 6) -> dict:
