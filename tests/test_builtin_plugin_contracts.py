@@ -19,7 +19,14 @@ def local_ray():
 
     ray = pytest.importorskip("ray")
     auth = os.environ.get("RAY_AUTH_MODE")
-    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
+    ray.init(
+        address="local",
+        num_cpus=1,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"worker_niceness": 0},
+    )
     yield
     ray.shutdown()
     os.environ.pop("RAY_AUTH_MODE", None)

@@ -43,7 +43,14 @@ def small_job(env: str, run_dir: Path, run_id: str, *overrides: str) -> RLJob:
 def ray_session():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"worker_niceness": 0},
+    )
     yield
     ray.shutdown()
 

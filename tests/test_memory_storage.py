@@ -25,7 +25,14 @@ def ray_cluster():
 
     # Ray workers cannot import this test module by name: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _system_config={"worker_niceness": 0},
+    )
     yield
     ray.shutdown()
 
