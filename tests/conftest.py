@@ -140,6 +140,26 @@ def cli() -> Callable[..., object]:
     return invoke
 
 
+@pytest.fixture(scope="session")
+def start_local_ray() -> Callable[[int], None]:
+    """``start_local_ray(num_cpus)``: ``ray.init`` of a new local instance for a test file's own
+    Ray (its fixture shuts it down), the workers at this process's niceness as a local
+    ``marinrl run`` starts them (Ray's default is 15)."""
+
+    def start(num_cpus: int) -> None:
+        import ray
+
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=False,
+            _system_config={"worker_niceness": 0},
+        )
+
+    return start
+
+
 @pytest.fixture
 def tiny_mock_job() -> list[str]:
     """``marinrl run`` arguments of the smallest job the CLI tests run: the mock env, batches of

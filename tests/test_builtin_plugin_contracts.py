@@ -12,21 +12,14 @@ ENTRIES = REGISTRY.entries()
 
 
 @pytest.fixture
-def local_ray():
+def local_ray(start_local_ray):
     """A local Ray for the ``memory`` storage's queue actor, shut down after, with
     ``RAY_AUTH_MODE`` (which ``ray.init`` sets in this process) given back."""
     import os
 
     ray = pytest.importorskip("ray")
     auth = os.environ.get("RAY_AUTH_MODE")
-    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
-    ray.init(
-        address="local",
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"worker_niceness": 0},
-    )
+    start_local_ray(1)
     yield
     ray.shutdown()
     os.environ.pop("RAY_AUTH_MODE", None)

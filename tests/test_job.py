@@ -40,17 +40,10 @@ def small_job(env: str, run_dir: Path, run_id: str, *overrides: str) -> RLJob:
 
 
 @pytest.fixture(scope="module")
-def ray_session():
+def ray_session(start_local_ray):
     import ray
 
-    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"worker_niceness": 0},
-    )
+    start_local_ray(2)
     yield
     ray.shutdown()
 

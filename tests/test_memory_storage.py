@@ -18,21 +18,14 @@ from marin_rl_core.registry import build_registry  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
+def ray_cluster(start_local_ray):
     import sys
 
     from ray import cloudpickle
 
     # Ray workers cannot import this test module by name: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    # Workers at this process's niceness, as a local `marinrl run` starts them (Ray: 15).
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        _system_config={"worker_niceness": 0},
-    )
+    start_local_ray(2)
     yield
     ray.shutdown()
 
