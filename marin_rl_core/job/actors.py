@@ -85,7 +85,8 @@ def _worker_logging(run_dir: str, name: str) -> None:
     """Each worker logs to ``RUN_DIR/logs/NAME.log`` (the driver's console keeps the progress bar;
     a run on a bucket logs to its local copy and uploads the log: :mod:`marin_rl_core.rundir`)."""
     attach_log_file(growing_file(run_dir, f"logs/{name}.log"))
-    for chatty in ("levanter", "jax", "datasets", "absl"):
+    # httpx logs every request at INFO: an agent's OpenAI client makes thousands per step.
+    for chatty in ("levanter", "jax", "datasets", "absl", "httpx", "httpcore"):
         logging.getLogger(chatty).setLevel(logging.WARNING)
 
 

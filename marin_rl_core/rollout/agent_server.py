@@ -342,6 +342,9 @@ class AgentServer:
             response = await self._respond(session, parsed)
         except APIError as error:
             return web.json_response(error.body(), status=error.status)
+        except ConnectionError:  # the agent hung up mid-request (its episode was cancelled)
+            logger.debug("agent endpoint: a %s request's client disconnected", kind)
+            return web.Response(status=400, text="client disconnected")  # nobody reads it
         except Exception as exc:  # noqa: BLE001 - the agent sees it; the log keeps the traceback
             logger.exception("agent endpoint: a %s request failed", kind)
             error = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
