@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import attrs
 
 from marin_rl_core.config.limits import EpisodesConfig, FaultsConfig
+from marin_rl_core.config.lora import LoraConfig
 from marin_rl_core.config.resources import ResourcesConfig, RoleResources
 from marin_rl_core.errors import FieldValueError, one_of
 from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
@@ -62,6 +63,7 @@ class ModelConfig:
             on for a Hugging Face checkpoint (real models, whose activations dominate the
             step's memory at real sequence lengths), off for the tiny default model (where
             recomputing costs more than it saves).
+        lora: low-rank adapters instead of full fine-tuning (:class:`LoraConfig`).
     """
 
     checkpoint: str = ""
@@ -82,6 +84,7 @@ class ModelConfig:
         default=0.5, validator=[attrs.validators.gt(0), attrs.validators.le(1)]
     )
     gradient_checkpointing: str = attrs.field(default="auto", validator=one_of("auto", "on", "off"))
+    lora: LoraConfig = LoraConfig()
 
     @property
     def resolved_gradient_checkpointing(self) -> bool:
@@ -447,6 +450,7 @@ __all__ = [
     "EpisodesConfig",
     "FaultsConfig",
     "LoggingConfig",
+    "LoraConfig",
     "LossChoice",
     "MeshConfig",
     "ModelConfig",

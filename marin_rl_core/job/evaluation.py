@@ -33,7 +33,7 @@ def evaluate_checkpoint(
         load_newest,
         read_state,
     )
-    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.lora import merged, trained_policy_like
     from marin_rl_core.models.tokenizer import model_tokenizer
     from marin_rl_core.rollout.manager import RolloutManager
 
@@ -45,10 +45,11 @@ def evaluate_checkpoint(
     config_file = run_config_file(run_dir)
     config = resolve_config(registry, files=[config_file])
     tokenizer = model_tokenizer(config.model)
-    like = initial_model(config, tokenizer)
+    like = trained_policy_like(config, tokenizer)
 
     def load(checkpoint: Path) -> tuple[int, Any]:
-        return int(read_state(checkpoint)["step"]), load_model(checkpoint, like)
+        # A LoRA run's policy is its base with the adapters merged in.
+        return int(read_state(checkpoint)["step"]), merged(load_model(checkpoint, like))
 
     warnings: list[str] = []
     if candidates:  # one checkpoint asked for by name: no falling back

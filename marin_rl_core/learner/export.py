@@ -57,13 +57,14 @@ def trained_model(
     import json
 
     from marin_rl_core.learner.checkpoint import load_model
-    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.lora import merged, trained_policy_like
     from marin_rl_core.models.tokenizer import model_tokenizer
 
     checkpoint = run_checkpoint(run_dir, step)
     config = resolve_config(registry, files=[run_path(run_dir) / "config.toml"])
     tokenizer = model_tokenizer(config.model)
-    model = load_model(checkpoint, initial_model(config, tokenizer))
+    # A LoRA run's policy is its base with the adapters merged in.
+    model = merged(load_model(checkpoint, trained_policy_like(config, tokenizer)))
     return model, tokenizer, int(json.loads((checkpoint / "state.json").read_text())["step"])
 
 

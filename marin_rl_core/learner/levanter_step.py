@@ -80,6 +80,28 @@ def levanter_trainer(*args: Any, **kwargs: Any) -> Any:
     return trainer
 
 
+def train_only(trainer: Any, is_trainable: Any) -> None:
+    """Have levanter ``trainer``'s step differentiate the loss with respect to the parameters
+    ``is_trainable`` marks only. levanter's step takes the gradient of the whole model and drops
+    the frozen parameters' part afterwards: for a LoRA policy that is a gradient the size of the
+    base model computed, accumulated over micro-batches and counted in the gradient norm, for
+    nothing. Here the frozen parameters enter the loss as constants of the differentiated
+    function; their gradients are never formed."""
+    import equinox as eqx
+
+    compute = trainer._compute_gradients_microbatched
+
+    def compute_trainable(loss_fn: Any, model: Any, *batch: Any, **kwargs: Any) -> Any:
+        trainable, frozen = eqx.partition(model, is_trainable)
+
+        def loss_of(part: Any, *args: Any, **kw: Any) -> Any:
+            return loss_fn(eqx.combine(part, frozen), *args, **kw)
+
+        return compute(loss_of, trainable, *batch, **kwargs)
+
+    trainer._compute_gradients_microbatched = compute_trainable
+
+
 class CaptureTracker:
     """A levanter tracker that keeps the metrics levanter's train step logs, for our own rows."""
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from marin_rl_core.config.schema import MeshConfig, TrainerConfig
 from marin_rl_core.errors import ConfigError
-from marin_rl_core.learner.levanter_step import CaptureTracker, levanter_trainer
+from marin_rl_core.learner.levanter_step import CaptureTracker, levanter_trainer, train_only
 from marin_rl_core.learner.optimizer import make_optimizer
 
 
@@ -86,23 +86,32 @@ def _with_metrics(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapped
 
 
-def plugin_loss_fn(module: Any) -> Callable[..., Any]:
+def plugin_loss_fn(
+    module: Any, reference_of: Callable[[Any], Any] | None = None
+) -> Callable[..., Any]:
     """A loss plugin's loss function, made inside the traced step from the reference model the
     step receives as an argument (:meth:`Learner.set_loss`), so that nothing it closes over is a
     frozen model. ``create_loss_fn`` is cheap and pure (the protocol says so); the structure it
     is given as ``train_model`` is the policy being trained (with the loss's own state, when it
     has some). :meth:`Learner.set_loss` weighs a returned
-    :class:`~marin_rl_core.learner.loss.TokenLoss` into the step's loss."""
+    :class:`~marin_rl_core.learner.loss.TokenLoss` into the step's loss.
+
+    ``reference_of``: the reference model made from the model being trained instead (a LoRA
+    policy's base: :func:`~marin_rl_core.models.lora.without_adapters`), with no frozen copy."""
 
     from marin_rl_core.learner.loss import checked_token_loss
 
     def loss_fn(model: Any, batch: Any, *, key: Any = None, reference: Any = None) -> Any:
+        if reference_of is not None:
+            reference = reference_of(model)
         return checked_token_loss(module.create_loss_fn(reference, model)(model, batch, key=key))
 
     return loss_fn
 
 
-def plugin_prepare_fn(plan: Any) -> Callable[..., Any] | None:
+def plugin_prepare_fn(
+    plan: Any, reference_of: Callable[[Any], Any] | None = None
+) -> Callable[..., Any] | None:
     """A loss's whole-step preparation (its :class:`~marin_rl_core.protocols.LossPlan`'s
     ``create_prepare_fn``; ``None``: none), made inside the traced function from the reference
     model it receives, as :func:`plugin_loss_fn`: ``fn(model, batches, *, reference=None)``
@@ -112,6 +121,8 @@ def plugin_prepare_fn(plan: Any) -> Callable[..., Any] | None:
         return None
 
     def prepare(model: Any, batches: Any, *, reference: Any = None) -> Any:
+        if reference_of is not None:
+            reference = reference_of(model)
         return create(reference, model)(model, batches)
 
     return prepare
@@ -209,6 +220,7 @@ class Learner:
         self.config = config
         self.optimizer = make_optimizer(config)
         self.trainer: Any = None
+        self.is_trainable: Any = True
         self._frozen: dict[str, Any] = {}
         self._prepare: Any = None
         from marin_rl_core.protocols import LossPlan
@@ -223,6 +235,7 @@ class Learner:
         state_learning_rate: float | None = None,
         prepare_fn: Callable[..., Any] | None = None,
         plan: Any = None,
+        is_trainable: Any = True,
     ) -> None:
         """Train ``loss_fn(model, batch, *, key)`` from now on: it returns a
         :class:`~marin_rl_core.learner.loss.TokenLoss`, or ``(loss, metrics)`` taken as given
@@ -242,7 +255,13 @@ class Learner:
         ``prepare_fn``: the loss's preparation (:func:`plugin_prepare_fn`), run by
         :meth:`prepare`. ``plan``: the loss's
         :class:`~marin_rl_core.protocols.LossPlan` (updates per trainer step and frozen
-        policy steps, for the learning-rate schedule)."""
+        policy steps, for the learning-rate schedule).
+
+        ``is_trainable``: levanter's filter tree of the parameters trained (``True``: all; a
+        LoRA policy's :func:`~marin_rl_core.models.lora.trainable_filter`). The others are
+        frozen: held in the compute dtype, with no optimizer state, no gradients computed
+        (:func:`~marin_rl_core.learner.levanter_step.train_only`) and no share of the
+        gradient norm."""
         import equinox as eqx
         from levanter.callbacks.watch import WatchCallback
         from levanter.utils.tree_utils import inference_mode
@@ -274,9 +293,12 @@ class Learner:
                     return prepare_fn(model, batches, **frozen)
 
             self._prepare = eqx.filter_jit(prepare)
+        self.is_trainable = is_trainable
         self.trainer = levanter_trainer(
             self.levanter_config, self.optimizer, _with_metrics(loss_fn), add_default_hooks=False
         )
+        if is_trainable is not True:
+            train_only(self.trainer, is_trainable)
         # The global gradient norm (before clipping), as levanter's watch computes it.
         self.trainer.add_hook(
             WatchCallback(
@@ -322,7 +344,7 @@ class Learner:
     def init_state(self, model: Any, *, key: Any) -> Any:
         """A fresh, sharded ``TrainerState`` (step 0) of ``model``."""
         with self._context():
-            return self._trainer().initial_state(key, model=model)
+            return self._trainer().initial_state(key, model=model, is_trainable=self.is_trainable)
 
     def state_shapes(self, model: Any, *, key: Any) -> Any:
         """The shapes and dtypes of :meth:`init_state`'s state, computed without making it (what
@@ -331,7 +353,11 @@ class Learner:
 
         trainer = self._trainer()
         with self._context():
-            return eqx.filter_eval_shape(lambda m, k: trainer.initial_state(k, model=m), model, key)
+            return eqx.filter_eval_shape(
+                lambda m, k: trainer.initial_state(k, model=m, is_trainable=self.is_trainable),
+                model,
+                key,
+            )
 
     def restore(self, checkpoint: str | Path, like: Any, *, subpath: str | None = None) -> Any:
         """``like`` (a ``TrainerState``, or its part at ``subpath``) with a checkpoint's values,

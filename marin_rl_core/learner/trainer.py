@@ -45,17 +45,16 @@ from marin_rl_core.learner.checkpoint import (
 from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
 from marin_rl_core.learner.loss import (
     TrainedModel,
-    loss_plan,
     non_finite_advice,
     policy_of,
-    with_loss_state,
 )
 from marin_rl_core.learner.optimizer import make_schedule
 from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
-from marin_rl_core.learner.step import Learner, all_finite, plugin_loss_fn, plugin_prepare_fn
+from marin_rl_core.learner.setup import set_up_training
+from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import device_memory, drop_rows_after
-from marin_rl_core.models.build import initial_model
+from marin_rl_core.models.lora import merged
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
@@ -107,7 +106,6 @@ class Trainer:
         curriculum_state: Callable[[], dict[str, Any]] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
     ):
-        import equinox as eqx
         import jax
 
         from marin_rl_core.learner.replay_buffer import ReplayBuffer
@@ -125,38 +123,11 @@ class Trainer:
         self.group = GroupChannel()  # a trainer group: see learner/group.py
         self.tokenizer = model_tokenizer(config.model)
 
-        model = initial_model(config, self.tokenizer)
-        loss = registry.get("loss", config.loss.name).build(config.loss.config)
-        self.learner = Learner(
-            config.trainer, hf_checkpoint=bool(config.model.checkpoint), run_id=self.run_dir.name
+        self.learner, self.loss, model = set_up_training(
+            config, registry, self.tokenizer, run_id=self.run_dir.name
         )
-        reference = None
-        if loss.needs_reference_model:
-            # A frozen copy of the initial policy in compute precision, sharded like the policy
-            # (a real copy: the train step donates the policy's buffers).
-            reference = self.learner.shard(
-                self.learner.mp.cast_to_compute(
-                    jax.tree.map(lambda x: x.copy() if eqx.is_array(x) else x, model)
-                )
-            )
-        self.loss = loss.build(reference)
-        # What the loss asks of the trainer, read here once (protocols.LossPlan).
-        self.plan = loss_plan(self.loss)
-        # A critic (or other trainable loss state) is trained, sharded and checkpointed with
-        # the policy; never published or exported.
-        model, state_lr = with_loss_state(
-            self.plan, model, key=jax.random.PRNGKey(config.seed + 2),
-            learning_rate=config.trainer.learning_rate,
-        )  # fmt: skip
-        # Several updates per step (PPO's epochs x minibatches), a frozen policy at first
-        # (value pretraining): the learning-rate schedule counts updates.
-        self.learner.set_loss(
-            plugin_loss_fn(self.loss),
-            reference=reference,
-            state_learning_rate=state_lr,
-            prepare_fn=plugin_prepare_fn(self.plan),
-            plan=self.plan,
-        )
+        self.lora = config.model.lora.enabled
+        self.plan = self.learner.plan
         self._schedule = make_schedule(
             config.trainer,
             updates_per_step=self.plan.updates_per_step,
@@ -280,8 +251,16 @@ class Trainer:
 
     @property
     def model(self) -> Any:
-        """The current policy (parameters in the precision policy's parameter dtype)."""
+        """The current policy (parameters in the precision policy's parameter dtype); a LoRA
+        policy with its adapters (:attr:`merged_model` is what samplers get)."""
         return policy_of(self.state.model)
+
+    @property
+    def merged_model(self) -> Any:
+        """The current policy as a plain model (a LoRA policy's adapters merged in: new
+        buffers), what samplers get."""
+        with self.learner._context():
+            return merged(self.model)
 
     # --- control ------------------------------------------------------------------------------
 
@@ -302,7 +281,8 @@ class Trainer:
             self._enter("publishing weights")
             self.group.send(PUBLISH, self.step)  # a group gathers the weights on its leader
             dtype = self.config.model.resolved_inference_dtype  # the engines': half for bf16
-            weights = gathered_for_serving(publish_copy(self.model, dtype))
+            # A LoRA policy is served merged: samplers hold a plain model of the base's shape.
+            weights = gathered_for_serving(publish_copy(self.merged_model, dtype))
             if self.weight_server is not None:
                 self.weight_server.publish(weights, weight_step=self.step)
             self._published_step = self.step

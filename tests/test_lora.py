@@ -1,0 +1,205 @@
+"""LoRA (issue 61): a policy of low-rank adapters on a frozen base starts as the base, trains
+only its adapters (their gradients and optimizer state alone), takes its KL reference from the
+base inside it, and is sampled, resumed and exported with the adapters merged in."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_learner import short_rollouts
+
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.errors import ConfigError
+from marin_rl_core.learner.checkpoint import checkpoints_newest_first
+from marin_rl_core.metrics import read_metrics
+from marin_rl_core.models.build import initial_model
+from marin_rl_core.models.logprobs import response_logprobs
+from marin_rl_core.models.lora import (
+    adapter_parameter_count,
+    has_adapters,
+    parameter_count,
+    without_adapters,
+)
+from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+LORA = ["model.lora.rank=4", "model.num_layers=2"]
+
+
+def lora_job(*overrides: str):
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math", "loss": "rloo"},
+        overrides=["trainer.batch_size=8", "trainer.learning_rate=0.01", *overrides],
+    )
+    return registry, config
+
+
+def logprobs_of(model, tok, rollouts, max_seq_len):
+    return response_logprobs(
+        model,
+        [r.prompt_tokens for r in rollouts],
+        [r.response_tokens for r in rollouts],
+        max_seq_len=max_seq_len,
+        pad_id=tok.pad_id,
+    )
+
+
+def arrays(tree):
+    return [np.asarray(x) for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array))]
+
+
+def test_a_lora_policy_starts_as_its_base_model_and_is_published_as_it(tmp_path):
+    """Step 0: the adapted policy's log-probabilities are the base model's, exactly (levanter
+    draws ``lora_B`` at random; marinrl zeroes it), and what samplers get (the merged policy)
+    has the base's structure and its very weights."""
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry, config = lora_job(*LORA)
+    trainer = Trainer(config, registry, run_dir=tmp_path, storage=None)
+    base = initial_model(config, trainer.tokenizer)
+    assert has_adapters(trainer.model) and not has_adapters(trainer.merged_model)
+    rollouts = short_rollouts(8, trainer.tokenizer, 4)
+    for got, want in zip(
+        logprobs_of(trainer.model, trainer.tokenizer, rollouts, config.model.max_seq_len),
+        logprobs_of(base, trainer.tokenizer, rollouts, config.model.max_seq_len),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(got, want)
+    served = trainer.merged_model
+    assert jax.tree.structure(served) == jax.tree.structure(base)
+    for got, want in zip(arrays(served), arrays(base), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path):
+    """Two steps with a KL penalty: the base weights stay bit for bit, the adapters move; the
+    optimizer's state is the adapters' size (a few percent of full fine-tuning's); the KL
+    reference is the base inside the policy (zero KL at step 1, positive after), an argument of
+    nothing: no weights compiled into the step."""
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry, config = lora_job(*LORA, "loss.kl_coef=0.05")
+    trainer = Trainer(config, registry, run_dir=tmp_path / "lora", storage=None)
+    base_before = arrays(without_adapters(trainer.model))
+    adapters = adapter_parameter_count(trainer.model)
+    total = parameter_count(trainer.model)
+    assert 0 < adapters < 0.1 * total
+    opt_numbers = parameter_count(trainer.state.opt_state)
+    assert 2 * adapters <= opt_numbers <= 2 * adapters + 64, (opt_numbers, adapters)
+    full_registry, full_config = lora_job("model.num_layers=2", "loss.kl_coef=0.05")
+    full = Trainer(full_config, full_registry, run_dir=tmp_path / "full", storage=None)
+    assert opt_numbers < 0.1 * parameter_count(full.state.opt_state)
+    del full
+
+    rollouts = short_rollouts(8, trainer.tokenizer, 3)
+    batch = trainer.updates.training_batch(rollouts, np.linspace(-1, 1, 8).astype(np.float32))
+    constants = trainer.learner.constant_bytes(trainer.state, batch)
+    assert constants[0] <= 1024, constants[:5]
+    state, loss, first = trainer.learner.step(trainer.state, batch)
+    assert np.isfinite(loss) and abs(first["kl"]) < 1e-6 and first["grad_norm"] > 0
+    batch = trainer.updates.training_batch(rollouts, np.linspace(-1, 1, 8).astype(np.float32))
+    state, loss, second = trainer.learner.step(state, batch)
+    assert np.isfinite(loss) and second["kl"] > 0
+    trainer.state = state
+
+    for got, want in zip(arrays(without_adapters(trainer.model)), base_before, strict=True):
+        np.testing.assert_array_equal(got, want)
+    lora_b = trainer.model.transformer.layers.stacked.self_attn.q_proj.lora.lora_B.weight
+    assert np.abs(np.asarray(lora_b.array)).max() > 0, "the adapters did not train"
+    # The sampler's merged policy computes what the trainer's adapted one does.
+    for got, want in zip(
+        logprobs_of(trainer.merged_model, trainer.tokenizer, rollouts, config.model.max_seq_len),
+        logprobs_of(trainer.model, trainer.tokenizer, rollouts, config.model.max_seq_len),
+        strict=True,
+    ):
+        np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+def test_a_lora_target_no_model_has_is_a_config_error():
+    targets = r"(?s)qproj.*choose from q_proj.*\$\.model\.lora\.targets"
+    with pytest.raises(ConfigError, match=targets):
+        lora_job("model.lora.rank=4", 'model.lora.targets=["qproj"]')
+    with pytest.raises(ConfigError, match=r"'rank' must be >= 0.*\$\.model\.lora"):
+        lora_job("model.lora.rank=-1")
+
+
+def test_a_lora_job_on_a_checkpoint_trains_resumes_and_exports_the_merged_policy(cli, tmp_path):
+    """Through ``marinrl run`` on a tiny Qwen3 checkpoint: a LoRA job trains with a KL penalty,
+    resumes from its checkpoint (adapters and their optimizer state), and ``marinrl export``
+    writes the merged policy: transformers loads it and computes what the run's policy
+    computes, its layers without adapters (the embeddings) exactly the checkpoint's."""
+    from test_hf_models import SMALL_JOB, check_trained_and_exported
+
+    source = write_tiny_hf_checkpoint(tmp_path / "base", "qwen3")
+    args = [
+        "--model", str(source), *SMALL_JOB, "--set", "model.lora.rank=4",
+        "--set", "loss.kl_coef=0.05", "--set", "trainer.learning_rate=0.05",
+    ]  # fmt: skip
+    run_dir = tmp_path / "lora"
+    first = ["--set", "trainer.num_train_steps=2", "--set", f'run_dir="{tmp_path}"']
+    result = cli("run", *args, *first, "--run-id", "lora")
+    assert result.exit_code == 0, result.output
+    result = cli("run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=3")
+    assert result.exit_code == 0, result.output
+    train = [r for r in read_metrics(run_dir) if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(np.isfinite(r["kl"]) for r in train) and train[-1]["kl"] > 0
+    assert checkpoints_newest_first(run_dir)[0].name == "step-000003"
+
+    out = tmp_path / "export"
+    result = cli("export", str(run_dir), str(out))
+    assert result.exit_code == 0, result.output
+    check_trained_and_exported(source, run_dir, out, "qwen3")
+    import safetensors.numpy
+
+    def weights(path):
+        found = {}
+        for file in path.glob("*.safetensors"):
+            found.update(safetensors.numpy.load_file(file))
+        return found
+
+    before, after = weights(source), weights(out)
+    # Frozen, the base is held in the compute dtype (bfloat16 for a checkpoint): no float32
+    # copy of it, and the layers without adapters come out as the checkpoint's, so rounded.
+    name = "model.embed_tokens.weight"
+    rounded = np.asarray(jnp.asarray(before[name], jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(after[name].astype(np.float32), rounded)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert np.abs(after[q].astype(np.float32) - before[q].astype(np.float32)).max() > 0
+
+
+def test_ppo_with_lora_trains_the_adapters_and_its_critic_and_keeps_the_base(tmp_path):
+    """A loss with trainable state of its own (ppo's critic), several updates per step and a
+    KL reference in its preparation: the critic and the adapters train, the base stays."""
+    from test_losses import rollouts
+
+    from marin_rl_core.learner.loss import policy_of
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry = build_registry()
+    config = resolve_config(
+        registry, selections={"env": "mock", "loss": "ppo"},
+        overrides=[*LORA, "trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
+                   "model.max_seq_len=24", "loss.kl_coef=0.05", "loss.epochs=2",
+                   "loss.minibatches=2", "trainer.learning_rate=0.01", "trainer.warmup_steps=0"],
+    )  # fmt: skip
+    trainer = Trainer(config, registry, run_dir=tmp_path, storage=None)
+    base = arrays(without_adapters(trainer.model))
+    critic = arrays(trainer.state.model.loss_state)
+    rs = rollouts(8, seed=3, lesson="mock")
+    first = trainer.train_one_step(rs, np.zeros(8, np.float32))
+    second = trainer.train_one_step(rs, np.zeros(8, np.float32))
+    assert int(trainer.state.step) == 8 and np.isfinite(second["loss"])
+    # The policy drifts from the base over the step's 4 updates, and further in the next.
+    assert 0 < first["kl"] < second["kl"]
+    for got, want in zip(arrays(without_adapters(trainer.model)), base, strict=True):
+        np.testing.assert_array_equal(got, want)
+    moved = [np.abs(a - b).max() for a, b in zip(arrays(trainer.state.model.loss_state), critic)]
+    assert max(moved) > 0, "the critic did not train"
+    lora_b = policy_of(trainer.state.model).transformer.layers.stacked.mlp.down_proj.lora.lora_B
+    assert np.abs(np.asarray(lora_b.weight.array)).max() > 0, "the adapters did not train"
