@@ -19,6 +19,7 @@ from marin_rl_core.metrics import read_metrics
 from marin_rl_core.models.build import initial_model
 from marin_rl_core.models.logprobs import response_logprobs
 from marin_rl_core.models.lora import (
+    AdaptedBase,
     adapter_parameter_count,
     has_adapters,
     parameter_count,
@@ -111,6 +112,16 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path):
         np.testing.assert_array_equal(got, want)
     lora_b = trainer.model.transformer.layers.stacked.self_attn.q_proj.lora.lora_B.weight
     assert np.abs(np.asarray(lora_b.array)).max() > 0, "the adapters did not train"
+    # A sampler apart receives the adapters alone and merges them into the base it loaded:
+    # the very model a colocated sampler is handed.
+    sampler = AdaptedBase(
+        initial_model(config, trainer.tokenizer), config.model.lora,
+        dtype="float32", key=jax.random.PRNGKey(99),
+    )  # fmt: skip
+    served = trainer._served()
+    assert parameter_count(served) == adapters
+    for got, want in zip(arrays(sampler.merged(served)), arrays(trainer.merged_model), strict=True):
+        np.testing.assert_array_equal(got, want)
     # The sampler's merged policy computes what the trainer's adapted one does.
     for got, want in zip(
         logprobs_of(trainer.merged_model, trainer.tokenizer, rollouts, config.model.max_seq_len),
@@ -203,3 +214,36 @@ def test_ppo_with_lora_trains_the_adapters_and_its_critic_and_keeps_the_base(tmp
     assert max(moved) > 0, "the critic did not train"
     lora_b = policy_of(trainer.state.model).transformer.layers.stacked.mlp.down_proj.lora.lora_B
     assert np.abs(np.asarray(lora_b.weight.array)).max() > 0, "the adapters did not train"
+
+
+def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_policy(
+    cli, tmp_path, tiny_mock_job
+):
+    """A LoRA job whose rollout worker runs apart: each publish moves the adapters alone (every
+    receive is a whole number of adapter sets, in bytes: under a tenth of the model), and the
+    worker merges them into the base it loaded (the merge itself is checked against the
+    trainer's in ``test_only_the_adapters_train_and_hold_optimizer_state``); on-policy, the
+    trainer's and the sampler's log-probabilities agree."""
+    from marin_rl_core.models.lora import add_adapters
+    from marin_rl_core.models.tokenizer import model_tokenizer
+
+    result = cli(
+        "run", *tiny_mock_job, "--set", "model.lora.rank=4", "--set", "loss.kl_coef=0.05",
+        "--set", "trainer.learning_rate=0.05", "--set", "trainer.num_train_steps=3",
+        "--set", "resources.colocate=false", "--set", "replay_buffer.max_rollout_step_delay=0",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "apart",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = read_metrics(tmp_path / "apart")
+    _, config = lora_job("model.lora.rank=4")
+    model = initial_model(config, model_tokenizer(config.model))
+    adapters_bytes = 4 * adapter_parameter_count(
+        add_adapters(model, config.model.lora, key=jax.random.PRNGKey(0))
+    )
+    received = [r["rollout/weights_bytes"] for r in rows if r.get("rollout/weights_bytes")]
+    assert received and all(b % adapters_bytes == 0 for b in received), (received, adapters_bytes)
+    assert adapters_bytes < 0.1 * 4 * parameter_count(model)
+    train = [r for r in rows if r["source"] == "train"]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    assert all(r["mean_weight_lag"] == 0 for r in train)
+    assert all(abs(r["sampler_kl"]) < 1e-5 for r in train), [r["sampler_kl"] for r in train]

@@ -54,7 +54,7 @@ from marin_rl_core.learner.setup import set_up_training
 from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import device_memory, drop_rows_after
-from marin_rl_core.models.lora import merged
+from marin_rl_core.models.lora import adapters_of, merged
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
@@ -255,6 +255,16 @@ class Trainer:
         policy with its adapters (:attr:`merged_model` is what samplers get)."""
         return policy_of(self.state.model)
 
+    def _served(self) -> Any:
+        """What :meth:`publish` sends: the policy; a LoRA policy's adapters alone to samplers
+        apart (each merges them into the base it holds: a few percent of the bytes), merged
+        into it for a colocated sampler (which holds no base of its own)."""
+        if not self.lora:
+            return self.model
+        if self.config.resources.colocate is True:
+            return self.merged_model
+        return adapters_of(self.model)
+
     @property
     def merged_model(self) -> Any:
         """The current policy as a plain model (a LoRA policy's adapters merged in: new
@@ -281,8 +291,7 @@ class Trainer:
             self._enter("publishing weights")
             self.group.send(PUBLISH, self.step)  # a group gathers the weights on its leader
             dtype = self.config.model.resolved_inference_dtype  # the engines': half for bf16
-            # A LoRA policy is served merged: samplers hold a plain model of the base's shape.
-            weights = gathered_for_serving(publish_copy(self.merged_model, dtype))
+            weights = gathered_for_serving(publish_copy(self._served(), dtype))
             if self.weight_server is not None:
                 self.weight_server.publish(weights, weight_step=self.step)
             self._published_step = self.step

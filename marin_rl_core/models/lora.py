@@ -15,6 +15,9 @@ What the rest of marinrl uses:
   workers sample from and ``marinrl export`` writes).
 * :func:`without_adapters`: the base model inside a LoRA model, the same arrays with the
   adapters left out (a loss's KL reference: no copy).
+* :func:`adapters_of` and :class:`AdaptedBase`: what a trainer publishes to samplers apart from
+  it (the adapters alone), and a sampler's base, loaded once, that each version received is
+  merged into.
 """
 
 from __future__ import annotations
@@ -145,6 +148,30 @@ def without_adapters(model: Any) -> Any:
         model,
         is_leaf=_is_lora_layer,
     )
+
+
+def adapters_of(model: Any) -> Any:
+    """The adapters of the LoRA policy ``model`` alone (every base weight ``None``): what a
+    trainer publishes to samplers that hold the base themselves."""
+    return eqx.filter(model, trainable_filter(model))
+
+
+class AdaptedBase:
+    """A sampler's side of a LoRA job whose trainer publishes the adapters alone: the base model
+    loaded once, and the structure (and dtype) of the adapters it receives. Each version
+    received becomes a plain model by :meth:`merged` (the base is kept: merging into the
+    previous merge would drift with rounding)."""
+
+    def __init__(self, base: Any, lora: LoraConfig, *, dtype: Any, key: jax.Array):
+        from marin_rl_core.models.build import cast_floating
+
+        adapted = cast_floating(add_adapters(base, lora, key=key), dtype)
+        self.like, self.base = eqx.partition(adapted, trainable_filter(adapted))
+        """``like``: the adapters' structure, what a weight client receives into."""
+
+    def merged(self, adapters: Any) -> Any:
+        """The base with ``adapters`` (received, of :attr:`like`'s structure) merged in."""
+        return merged(eqx.combine(adapters, self.base))
 
 
 def parameter_count(tree: Any) -> int:

@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import MarinRLError
@@ -28,6 +28,9 @@ from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.in_flight import polling_weights
 from marin_rl_core.rollout.manager import RolloutManager
 from marin_rl_core.types import ReceivedWeights, RolloutBatch
+
+if TYPE_CHECKING:
+    from marin_rl_core.models.lora import AdaptedBase
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,10 @@ class RolloutWorker:
         curriculum: CurriculumPolicy,
         log: Callable[..., Any] | None = None,
     ):
+        import jax
+
         from marin_rl_core.models.build import initial_model
+        from marin_rl_core.models.lora import AdaptedBase
         from marin_rl_core.models.tokenizer import model_tokenizer
 
         self.config = config
@@ -86,14 +92,18 @@ class RolloutWorker:
         self._log = log or (lambda metrics, *, step, source: None)
         self._stop = threading.Event()
         tokenizer = model_tokenizer(config.model)
+        # Read straight into the sampler's dtype: no float32 copy of a bfloat16 sampler's
+        # weights (2.4 GB for a 0.6B model) is ever held.
+        dtype = config.model.resolved_inference_dtype
+        model = initial_model(config, tokenizer, dtype=dtype)
+        self.adapted: AdaptedBase | None = None
+        """A LoRA job apart from its trainer: the base, that each adapters received merge into
+        (a colocated sampler receives the merged policy)."""
+        if config.model.lora.enabled and config.resources.colocate is not True:
+            key = jax.random.PRNGKey(config.seed + 3)
+            self.adapted = AdaptedBase(model, config.model.lora, dtype=dtype, key=key)
         self.manager = RolloutManager(
-            config,
-            registry,
-            # Read straight into the sampler's dtype: no float32 copy of a bfloat16 sampler's
-            # weights (2.4 GB for a 0.6B model) is ever held.
-            model=initial_model(config, tokenizer, dtype=config.model.resolved_inference_dtype),
-            tokenizer=tokenizer,
-            curriculum=curriculum,
+            config, registry, model=model, tokenizer=tokenizer, curriculum=curriculum
         )
         self.next_batch = 0
         """The counter of the next batch: with the run's seed and the worker index it fixes the
@@ -146,7 +156,8 @@ class RolloutWorker:
         if now < self._weights_retry_at:
             return False
         try:
-            received = self.weight_client.receive(self.manager.model)
+            like = self.manager.model if self.adapted is None else self.adapted.like
+            received = self.weight_client.receive(like)
         except MarinRLError:
             raise
         except Exception as exc:  # noqa: BLE001 - a transfer failure: retried with backoff
@@ -168,7 +179,8 @@ class RolloutWorker:
             return False
         step = received.weight_step
         self._received.append(received)
-        self.manager.update_model(received.model, weight_step=int(step))
+        model = received.model if self.adapted is None else self.adapted.merged(received.model)
+        self.manager.update_model(model, weight_step=int(step))
         self.weight_step = int(step)
         self.pacer.weights_arrived()
         self.weight_syncs += 1
