@@ -11,9 +11,12 @@ model's chat template, graded on the last number of the reply. Greedy, the model
     python bench/real_model.py                      # colocated, 30 steps
     python bench/real_model.py --apart              # trainer and sampler in two processes
     python bench/real_model.py --steps 60 --set trainer.learning_rate=2e-6
+    python bench/real_model.py --lora 16            # LoRA adapters of rank 16 (learning rate 5e-5)
 
 Prints the eval curve, steps/s, where the time went (generation's share of the sampler's and
-the trainer's time), the peak device memory on an accelerator, and as its last line
+the trainer's time), the peak device memory on an accelerator, what trains (parameters and
+optimizer-state bytes, against full fine-tuning's; with ``--apart``, the bytes of one weight
+publish against the model's), and as its last line
 ``held-out accuracy A -> B in S s`` (S: seconds from launching the job's process to its end).
 """
 
@@ -55,7 +58,8 @@ def job_args(checkpoint: Path, problems: Path, args: argparse.Namespace) -> list
         f'env.prompt_template="{PROMPT}"',
         f"resources.colocate={'false' if args.apart else 'true'}",
         f"trainer.num_train_steps={args.steps}",
-        "trainer.learning_rate=5e-6",
+        f"trainer.learning_rate={5e-5 if args.lora else 5e-6}",
+        f"model.lora.rank={args.lora}",
         "sampling.max_tokens=24",
         "eval.sampling.max_tokens=24",
         "eval.frequency=10",
@@ -77,6 +81,7 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="default: a temp directory")
     parser.add_argument("--run-id", default="smollm2-add")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA adapters")
     parser.add_argument(
         "--no-f32", dest="f32", action="store_false", help="keep the checkpoint's bf16 defaults"
     )
@@ -110,6 +115,23 @@ def main() -> None:
     ]
     if peaks:  # accelerators only; colocated, the trainer's row covers sampling too
         print(f"peak device memory: {max(peaks):.2f} GiB")
+    figures = next((r for r in train if "params/total" in r), None)
+    if figures:
+        total, trainable = figures["params/total"], figures["params/trainable"]
+        adam = figures["params/optimizer_state_bytes"]
+        print(
+            f"trainable parameters: {trainable:,.0f} of {total:,.0f} ({trainable / total:.2%}); "
+            f"optimizer state {adam / 1e6:,.1f} MB, {adam / (8 * total):.2%} of full "
+            f"fine-tuning's Adam ({8 * total / 1e6:,.0f} MB)"
+        )
+        received = [r["rollout/weights_bytes"] for r in rollout if r.get("rollout/weights_bytes")]
+        if received:  # apart: the smallest row's bytes is one publish
+            model_bytes = total * (4 if args.f32 else 2)
+            one = min(received)
+            print(
+                f"one weight publish: {one / 1e6:,.2f} MB, {one / model_bytes:.2%} of the "
+                f"model's {model_bytes / 1e6:,.0f} MB"
+            )
     a, b = evals[0][1], evals[-1][1]
     print(f"held-out accuracy {a:.2f} -> {b:.2f} in {seconds:.0f} s")
 

@@ -247,3 +247,11 @@ def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_polic
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(r["mean_weight_lag"] == 0 for r in train)
     assert all(abs(r["sampler_kl"]) < 1e-5 for r in train), [r["sampler_kl"] for r in train]
+    # What trains, in the first row (and trainer.log): the adapters, Adam's two moments of them.
+    first = train[0]
+    assert first["params/trainable"] * 4 == adapters_bytes
+    assert first["params/total"] == parameter_count(model) + adapters_bytes / 4
+    assert 2 * adapters_bytes <= first["params/optimizer_state_bytes"] <= 2 * adapters_bytes + 64
+    assert "params/total" not in train[1]
+    log = (tmp_path / "apart" / "logs" / "trainer.log").read_text()
+    assert "parameters (" in log and "LoRA rank 4); optimizer state" in log

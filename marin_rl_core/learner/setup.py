@@ -74,3 +74,33 @@ def set_up_training(
         is_trainable=trained_filter(model) if lora else True,
     )
     return learner, module, model
+
+
+def parameter_figures(state: Any, is_trainable: Any) -> dict[str, float]:
+    """What a trainer state trains, for the log and the first ``train`` row:
+    ``params/total`` (the policy's parameters, a LoRA policy's base and adapters),
+    ``params/trainable`` (those with gradients and optimizer state, a loss's own state
+    included) and ``params/optimizer_state_bytes``."""
+    import equinox as eqx
+    import jax
+
+    from marin_rl_core.models.lora import parameter_count
+
+    arrays = [x for x in jax.tree.leaves(state.opt_state) if eqx.is_array(x)]
+    return {
+        "params/total": float(parameter_count(policy_of(state.model))),
+        "params/trainable": float(parameter_count(eqx.filter(state.model, is_trainable))),
+        "params/optimizer_state_bytes": float(sum(int(x.nbytes) for x in arrays)),
+    }
+
+
+def describe_figures(figures: dict[str, float], lora_rank: int) -> str:
+    """One log line of :func:`parameter_figures`, beside what full fine-tuning's Adam would
+    hold (two float32 moments a parameter)."""
+    total, trainable = figures["params/total"], figures["params/trainable"]
+    what = f", LoRA rank {lora_rank}" if lora_rank else ""
+    return (
+        f"training {trainable:,.0f} of {total:,.0f} parameters ({100 * trainable / total:.2f}%"
+        f"{what}); optimizer state {figures['params/optimizer_state_bytes'] / 1e6:,.1f} MB "
+        f"(full fine-tuning's Adam: {8 * total / 1e6:,.1f} MB)"
+    )

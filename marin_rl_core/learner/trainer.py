@@ -50,7 +50,7 @@ from marin_rl_core.learner.loss import (
 )
 from marin_rl_core.learner.optimizer import make_schedule
 from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
-from marin_rl_core.learner.setup import set_up_training
+from marin_rl_core.learner.setup import describe_figures, parameter_figures, set_up_training
 from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import device_memory, drop_rows_after
@@ -180,6 +180,8 @@ class Trainer:
             jax.devices()[0].platform,
             self.learner.mp,
         )
+        self._figures = parameter_figures(self.state, self.learner.is_trainable)
+        logger.info("%s", describe_figures(self._figures, config.model.lora.rank))
         # Samples of steps after the checkpoint (written by a run that died) give way to the
         # steps trained again, as their metric rows do.
         if self.group.leads:
@@ -458,6 +460,8 @@ class Trainer:
                 ),
             )
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
+            metrics.update(self._figures)  # (the first row after a start only)
+            self._figures = {}
             metrics.update(device_memory())  # on accelerators: in use now, and the peak
             stages["wait_seconds"] += waited
             stages["step_seconds"] += metrics["step_seconds"]
