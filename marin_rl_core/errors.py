@@ -23,7 +23,8 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     """A malformed command line (typer/click's own usage errors)."""
     CONFIG = 3
-    """A config file or ``--set`` override has an unknown key, a wrong type or a bad value."""
+    """A config file or ``--set`` override has an unknown key, a wrong type or a bad value (or
+    asks for a local job bigger than the machine's memory)."""
     UNKNOWN_PLUGIN = 4
     """A plugin name (``--env maht``) that no loaded plugin registers."""
     PLUGIN_IMPORT = 5

@@ -206,9 +206,16 @@ def read_metrics_counted(run_dir: str | Path) -> tuple[list[dict[str, Any]], int
 def device_memory() -> dict[str, float]:
     """This process's accelerator memory in GiB, the most over its devices: ``device_memory_gib``
     in use now and ``device_peak_memory_gib``, the most in use at once since the process started
-    (a colocated process's training and sampling both). Empty where the platform does not report
-    it (CPU)."""
+    (a colocated process's training and sampling both); and ``host_peak_rss_gib``, the most
+    host memory the process has held resident (what the memory check's CPU estimate is checked
+    against; :mod:`marin_rl_core.job.memory`)."""
+    import resource
+    import sys
+
     import jax
+
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB (bytes on macOS)
+    host = {"host_peak_rss_gib": peak_rss / (2**30 if sys.platform == "darwin" else 2**20)}
 
     now = peak = -1
     for device in jax.local_devices():
@@ -220,5 +227,5 @@ def device_memory() -> dict[str, float]:
             now = max(now, int(stats.get("bytes_in_use", 0)))
             peak = max(peak, int(stats.get("peak_bytes_in_use", stats.get("bytes_in_use", 0))))
     if now < 0:
-        return {}
-    return {"device_memory_gib": now / 2**30, "device_peak_memory_gib": peak / 2**30}
+        return host
+    return {**host, "device_memory_gib": now / 2**30, "device_peak_memory_gib": peak / 2**30}

@@ -613,6 +613,7 @@ def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
     for change, named in (
         ("model.hidden_dim=128", "model.hidden_dim: 64 -> 128"),
         ('trainer.precision="bf16-params"', "trainer.precision: 'auto' -> 'bf16-params'"),
+        ("model.lora.rank=8", "model.lora.rank: 0 -> 8"),  # adapters the checkpoints lack
     ):
         refused = cli("run", "--resume", str(run_dir), "--set", change)
         assert refused.exit_code == ExitCode.CONFIG, refused.output

@@ -234,6 +234,7 @@ def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_polic
         "--set", f'run_dir="{tmp_path}"', "--run-id", "apart",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    assert "memory: the job needs about" in result.output  # the check's estimate, said
     rows = read_metrics(tmp_path / "apart")
     _, config = lora_job("model.lora.rank=4")
     model = initial_model(config, model_tokenizer(config.model))

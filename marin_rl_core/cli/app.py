@@ -277,7 +277,11 @@ def _train(cfg: Any, registry: Any) -> None:
     job = RLJob(cfg, registry)
     result = job.run(
         progress=bool(cfg.logging.progress),
-        on_start=lambda: typer.echo(f"run {job.run_id}: writing to {job.run_dir}", err=True),
+        on_start=lambda: typer.echo(
+            f"run {job.run_id}: writing to {job.run_dir}"
+            + (f"\n{job.memory_estimate}" if job.memory_estimate else ""),
+            err=True,
+        ),
     )
     console = Console(stderr=True)
     console.print(render_summary(summarize(result.run_dir)))

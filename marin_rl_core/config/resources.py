@@ -71,9 +71,13 @@ class ResourcesConfig:
             the process's resources and ``resources.rollout`` is unused. ``"auto"`` (the
             default): colocated on a local machine with one accelerator (GPU or TPU chip),
             apart otherwise; the resolved config holds the choice (docs/colocation.md).
+        check_memory: estimate a local job's memory before it starts and stop one that
+            cannot fit (exit 3, with what would fit: :mod:`marin_rl_core.job.memory`);
+            ``false`` starts it anyway.
     """
 
     trainer: RoleResources = RoleResources()
     trainer_hosts: int = attrs.field(default=1, validator=attrs.validators.ge(1))
     rollout: RoleResources = RoleResources()
     colocate: bool | str = attrs.field(default="auto", validator=_auto_or_bool)
+    check_memory: bool = True

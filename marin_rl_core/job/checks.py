@@ -144,6 +144,13 @@ def resume_conflicts(saved: RLJobConfig, new: RLJobConfig) -> list[str]:
         for name in fields
         if getattr(saved.model, name) != getattr(new.model, name)
     ]
+    # The adapters' shapes and which layers have them (and their scale, what they mean).
+    out += [
+        f"model.lora.{name}: {getattr(saved.model.lora, name)!r} -> "
+        f"{getattr(new.model.lora, name)!r}"
+        for name in ("rank", "targets", "alpha")
+        if getattr(saved.model.lora, name) != getattr(new.model.lora, name)
+    ]
     dtypes = [
         c.trainer.mp_policy(hf_checkpoint=bool(c.model.checkpoint)).param_dtype
         for c in (saved, new)

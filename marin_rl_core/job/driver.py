@@ -64,6 +64,7 @@ from marin_rl_core.job.checks import (
     run_dir_error,
 )
 from marin_rl_core.job.local_ray import handle_sigterm, lean_loopback_head, no_token_auth_notice
+from marin_rl_core.job.memory import check_memory
 from marin_rl_core.job.trainer_group import start_trainer, wait_until_ready
 from marin_rl_core.job.watch import Watch
 from marin_rl_core.registry import Registry
@@ -180,6 +181,7 @@ class RLJob:
         if errors:
             lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
             raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
+        self.memory_estimate = check_memory(self.config, self.registry)  # its line, or ""
 
     def _check_resume(self) -> None:
         """A run directory that already holds a run is resumed: its checkpoints must load with
@@ -331,6 +333,8 @@ class RLJob:
             self._write_run_dir(config)
             if on_start is not None:
                 on_start()
+            if self.memory_estimate:
+                logger.info("%s", self.memory_estimate)
             logger.info(
                 "%s Ray cluster at %s: %d node(s) at %s",
                 "started a local" if started_ray and not config.ray_address else "using the",

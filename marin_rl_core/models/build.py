@@ -224,6 +224,28 @@ def _rope_settings(path: str | Path) -> dict[str, Any]:
     return settings
 
 
+def checkpoint_levanter_config(
+    spec: str | Path, *, gradient_checkpointing: bool = False
+) -> tuple[Any, int]:
+    """``(levanter config, vocabulary size)`` of a Hugging Face checkpoint's model, read from
+    its ``config.json`` alone (no weights)."""
+    from transformers import AutoConfig
+
+    from marin_rl_core.models.pretrained import read_pretrained_info
+
+    info = read_pretrained_info(str(spec))
+    path = str(info.path)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **_rope_settings(path))
+    if info.model_type == "qwen2" and not hasattr(hf_config, "no_bias"):
+        # levanter's QwenConfig reads a `no_bias` flag (for its MLP) that transformers'
+        # Qwen2Config lacks; Qwen2's MLP has no bias.
+        hf_config.no_bias = True
+    lev_config = _lev_config_class_for(info.model_type).from_hf_config(hf_config)
+    if hasattr(lev_config, "gradient_checkpointing"):
+        lev_config = dataclasses.replace(lev_config, gradient_checkpointing=gradient_checkpointing)
+    return lev_config, int(hf_config.vocab_size)
+
+
 def load_hf_checkpoint(
     spec: str | Path,
     *,
@@ -263,14 +285,7 @@ def load_hf_checkpoint(
         HfConfigClass=hf_config_cls,
         tokenizer=tokenizer.to_hf(),
     )
-    hf_config = AutoConfig.from_pretrained(path, local_files_only=True, **_rope_settings(path))
-    if info.model_type == "qwen2" and not hasattr(hf_config, "no_bias"):
-        # levanter's QwenConfig reads a `no_bias` flag (for its MLP) that transformers'
-        # Qwen2Config lacks; Qwen2's MLP has no bias.
-        hf_config.no_bias = True
-    lev_config = lev_config_cls.from_hf_config(hf_config)
-    if hasattr(lev_config, "gradient_checkpointing"):
-        lev_config = dataclasses.replace(lev_config, gradient_checkpointing=gradient_checkpointing)
+    lev_config, _ = checkpoint_levanter_config(spec, gradient_checkpointing=gradient_checkpointing)
     # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
     # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
     quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")

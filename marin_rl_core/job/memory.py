@@ -1,0 +1,352 @@
+"""Will the job fit? The memory a job's trainer and samplers need, estimated from the config
+before anything starts (issue 61), against what this machine has.
+
+The model's parameters are counted exactly: the policy (with its LoRA adapters) and a loss's
+own state (ppo's critic) are built abstractly (``jax.eval_shape``: shapes only, no weights
+read). From them, per device of the trainer (``d`` devices sharing the parameters, FSDP and
+tensor parallel; ``p``/``c`` bytes of the parameter/compute dtype):
+
+* parameters: the trained ones in ``p``, frozen ones (a LoRA base) in ``c``; gradients and
+  Adam's two moments of the trained ones in ``p``; the compute-dtype copy of the trained ones
+  when ``c != p``; the KL reference (full fine-tuning with ``loss.kl_coef > 0``) in ``c``;
+  all over ``d``;
+* activations of a micro-batch of ``r`` rows (per device) of ``S`` positions: with gradient
+  checkpointing each layer's input (``L r S H c``) plus one layer's working set, else every
+  layer's; attention scores ``r heads S S`` in float32 per layer worked on;
+* the log-probabilities' logits blocks (two float32 blocks of at most
+  :data:`~marin_rl_core.models.logprobs.LOGITS_BLOCK_BYTES`).
+
+Each rollout worker: the policy in ``model.inference_dtype`` (twice for a LoRA job apart from its
+trainer: the base it keeps and the merged copy it samples), and the KV cache of a batch (every
+slot a full sequence). Each process adds :data:`PROCESS_BYTES` (the runtime and XLA's own).
+
+Where it runs: on a local job, the sum over the machine's processes against the host memory
+available now (CPU), or per GPU against ``nvidia-smi``'s total (one process a GPU). On a
+cluster (``ray_address``) nothing is checked. ``resources.check_memory = false`` turns the check
+off.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from marin_rl_core.config.schema import RLJobConfig
+from marin_rl_core.errors import ConfigError
+
+GIB = 2**30
+PROCESS_BYTES = int(0.8 * GIB)
+"""A job process's own memory besides the model: Python, JAX, levanter and XLA's runtime (a
+rollout worker of the tiny default job peaks at ~0.7 GiB resident on CPU)."""
+
+
+class DoesNotFitError(ConfigError):
+    """The job's estimated memory exceeds what the machine has (exit 3, before anything starts)."""
+
+
+@attrs.frozen
+class ModelCounts:
+    """Parameter counts of what a job trains, and the shapes the activations depend on."""
+
+    total: int  # the policy's parameters (a LoRA policy's base and adapters)
+    trainable: int  # trained: the adapters (or the whole policy) and a loss's own state
+    frozen: int  # not trained: a LoRA base
+    loss_state: int  # a loss's own trained state (a critic), part of ``trainable``
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+@attrs.frozen
+class Estimate:
+    """Bytes per device of the trainer and of each rollout worker, by part."""
+
+    trainer: dict[str, int]
+    rollout: dict[str, int]
+    colocated: bool
+    rollout_workers: int
+
+    @property
+    def trainer_bytes(self) -> int:
+        return sum(self.trainer.values())
+
+    @property
+    def rollout_bytes(self) -> int:
+        return sum(self.rollout.values())
+
+    def machine_bytes(self) -> int:
+        """What a local job's processes hold together on one host."""
+        if self.colocated:
+            return self.trainer_bytes + self.rollout_bytes
+        return self.trainer_bytes + self.rollout_workers * self.rollout_bytes
+
+    def describe(self) -> str:
+        def parts(d: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v / GIB:.2f}" for k, v in d.items() if v >= 0.005 * GIB)
+
+        trainer = f"trainer {self.trainer_bytes / GIB:.2f} GiB ({parts(self.trainer)})"
+        what = "the same process's sampler" if self.colocated else "each rollout worker"
+        return f"{trainer}; {what} {self.rollout_bytes / GIB:.2f} GiB ({parts(self.rollout)})"
+
+
+def _dtype_bytes(dtype: object) -> int:
+    import numpy as np
+
+    return int(np.dtype(dtype).itemsize)
+
+
+def model_counts(config: RLJobConfig, registry: object) -> ModelCounts:
+    """Count the parameters a job of ``config`` trains, building nothing but shapes."""
+    import equinox as eqx
+    import jax
+
+    from marin_rl_core.learner.loss import TrainedModel, loss_plan, with_loss_state
+    from marin_rl_core.models.lora import add_adapters as adapt
+    from marin_rl_core.models.lora import trainable_filter
+
+    levanter_config, vocab = _levanter_config(config)
+
+    def build() -> object:
+        import haliax as hax
+
+        key = jax.random.PRNGKey(0)
+        model = levanter_config.build(hax.Axis("vocab", vocab), key=key)
+        if config.model.lora.enabled:
+            model = adapt(model, config.model.lora, key=key)
+        loss = registry.get("loss", config.loss.name).build(config.loss.config)  # type: ignore[attr-defined]
+        plan = loss_plan(loss.build(None))
+        trained, _ = with_loss_state(plan, model, key=key, learning_rate=1.0)
+        return trained
+
+    trained = eqx.filter_eval_shape(build)
+    policy = trained.policy if isinstance(trained, TrainedModel) else trained
+    state = trained.loss_state if isinstance(trained, TrainedModel) else None
+    total = _floats(policy)
+    state_count = _floats(state) if state is not None else 0
+    lora = config.model.lora.enabled
+    adapters = _floats(eqx.filter(policy, trainable_filter(policy))) if lora else 0
+    trainable = (adapters if config.model.lora.enabled else total) + state_count
+    c = levanter_config
+    heads = int(c.num_heads)
+    return ModelCounts(
+        total=total,
+        trainable=trainable,
+        frozen=total - adapters if config.model.lora.enabled else 0,
+        loss_state=state_count,
+        layers=int(c.num_layers),
+        hidden=int(c.hidden_dim),
+        intermediate=int(c.intermediate_dim),
+        heads=heads,
+        kv_heads=int(c.num_kv_heads),
+        head_dim=int(getattr(c, "head_dim", None) or c.hidden_dim // heads),
+        vocab=vocab,
+    )
+
+
+def _floats(tree: object) -> int:
+    """How many numbers the floating-point leaves of ``tree`` (shapes or arrays) hold."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    return sum(
+        math.prod(x.shape)
+        for x in jax.tree.leaves(tree)
+        if hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+    )
+
+
+def _levanter_config(config: RLJobConfig) -> tuple[object, int]:
+    from marin_rl_core.models.build import checkpoint_levanter_config, llama_config
+    from marin_rl_core.models.tokenizer import model_tokenizer
+
+    model = config.model
+    checkpointing = model.resolved_gradient_checkpointing
+    if not model.checkpoint:
+        return llama_config(model), model_tokenizer(model).vocab_size
+    levanter_config, vocab = checkpoint_levanter_config(
+        model.checkpoint, gradient_checkpointing=checkpointing
+    )
+    if model.resize_vocab:
+        vocab = model_tokenizer(model).vocab_size
+    return levanter_config, vocab
+
+
+def estimate(
+    config: RLJobConfig, counts: ModelCounts, trainer_devices: int = 1, limit: int | None = None
+) -> Estimate:
+    """The bytes per device of ``config``'s trainer (over ``trainer_devices``) and of each
+    rollout worker (see the module docstring); ``limit``: the device's memory, of which the kv
+    engine takes at most ``model.inference_memory_fraction`` of what the weights leave."""
+    from marin_rl_core.learner.step import mesh_sizes
+    from marin_rl_core.models.logprobs import LOGITS_BLOCK_BYTES
+
+    t = config.trainer
+    mp = t.mp_policy(hf_checkpoint=bool(config.model.checkpoint))
+    p, c = _dtype_bytes(mp.param_dtype), _dtype_bytes(mp.compute_dtype)
+    sizes = mesh_sizes(t.mesh, trainer_devices, t.batch_size, t.microbatch_size)
+    shards = sizes["fsdp"] * sizes["tensor_parallel"]
+    rows = max(1, (t.microbatch_size or t.batch_size) // sizes["batch_shards"])
+    seq, n = config.model.max_seq_len, counts
+    lora = config.model.lora.enabled
+    trainer = {
+        "parameters": (n.trainable * p + n.frozen * c) // shards,
+        "gradients": n.trainable * p // shards,
+        "optimizer": 2 * n.trainable * p // shards,
+        "compute copy": (n.trainable * c if c != p else 0) // shards,
+        "reference": (n.total * c if _needs_reference(config) and not lora else 0) // shards,
+    }
+    layer = rows * seq * (6 * n.hidden + 3 * n.intermediate) * c + rows * n.heads * seq * seq * 4
+    kept = n.layers * rows * seq * n.hidden * c if config.model.resolved_gradient_checkpointing \
+        else (n.layers - 1) * layer  # fmt: skip
+    trainer["activations"] = kept + layer
+    trainer["logits"] = min(2 * LOGITS_BLOCK_BYTES, 2 * rows * seq * n.vocab * 4)
+    trainer["process"] = PROCESS_BYTES
+    i = _dtype_bytes(config.model.resolved_inference_dtype)
+    tp = config.model.inference_tensor_parallel
+    colocated = config.resources.colocate is True
+    slots = max(
+        config.sampling_for(lesson).n_prompts * config.sampling_for(lesson).n_generations_per_prompt
+        for lesson in config.curriculum.lessons
+    ) if config.curriculum.lessons else 1  # fmt: skip
+    weights = n.total * i // tp
+    # The kv engine: a copy of the decoder layers for a decode round, and as many sequences'
+    # caches (and a step's float32 logits) as the batch has, within its share of the memory.
+    q, kv = n.heads * n.head_dim, n.kv_heads * n.head_dim
+    layers = n.layers * (2 * n.hidden * q + 2 * n.hidden * kv + 3 * n.hidden * n.intermediate)
+    per_slot = 2 * n.layers * seq * kv * i + seq * 8 + 8 * n.vocab
+    cache = slots * per_slot
+    if limit is not None:
+        cache = min(cache, int(config.model.inference_memory_fraction * max(limit - weights, 0)))
+    rollout = {
+        "weights": weights,
+        "lora base": weights if lora and not colocated else 0,
+        "decode copy": layers * i // tp,
+        "kv cache": cache // tp,
+        "process": 0 if colocated else PROCESS_BYTES,
+    }
+    return Estimate(
+        trainer=trainer,
+        rollout=rollout,
+        colocated=colocated,
+        rollout_workers=config.num_rollout_workers,
+    )
+
+
+def _needs_reference(config: RLJobConfig) -> bool:
+    kl = getattr(config.loss.config, "kl_coef", 0.0)
+    return bool(kl and kl > 0)
+
+
+def available_memory() -> tuple[str, int, int] | None:
+    """``(where, bytes, devices)`` a local job can use: each GPU's total memory (``nvidia-smi``)
+    and their number, or the host memory available now (one "device": the machine's CPU).
+    ``None`` where it cannot be told (a TPU host)."""
+    import shutil
+    import subprocess
+
+    from marin_rl_core.config.colocation import local_accelerators
+
+    kind, count = local_accelerators()
+    if kind == "GPU" and shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout  # fmt: skip
+            mib = [int(x) for x in out.split() if x.strip().isdigit()]
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return None
+        return (f"each GPU's {min(mib) / 1024:.0f} GiB", min(mib) * 2**20, count) if mib else None
+    if kind:
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        free = int(info["MemAvailable"]) * 1024
+    except (OSError, KeyError, ValueError):
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return f"the {free / GIB:.1f} GiB of memory this machine has free", free, 1
+
+
+def check_memory(config: RLJobConfig, registry: object) -> str:
+    """Stop a local job that cannot fit before anything starts; returns the estimate's line.
+
+    Raises:
+        DoesNotFitError: the estimate exceeds the memory available, with each part and the
+            settings that would make it fit.
+    """
+    if config.ray_address or not config.resources.check_memory:
+        return ""
+    found = available_memory()
+    if found is None:
+        return ""
+    where, limit, devices = found
+    counts = model_counts(config, registry)
+    gpus = devices if where.startswith("each GPU") else 0
+    trainer_devices = max(1, int(config.resources.trainer.num_gpus or 0)) if gpus else 1
+    guess = estimate(config, counts, trainer_devices, limit)
+    need = (guess.trainer_bytes + guess.rollout_bytes) if gpus and guess.colocated else (
+        max(guess.trainer_bytes, guess.rollout_bytes) if gpus else guess.machine_bytes()
+    )  # fmt: skip
+    line = f"memory: the job needs about {need / GIB:.1f} GiB of {where} ({guess.describe()})"
+    if need <= limit:
+        return line
+    raise DoesNotFitError(
+        f"{line}: it does not fit. "
+        + "; ".join(_what_would_fit(config, counts, trainer_devices, limit, gpus))
+        + ". (resources.check_memory = false starts it anyway.)"
+    )
+
+
+def _what_would_fit(
+    config: RLJobConfig, counts: ModelCounts, devices: int, limit: int, gpus: int
+) -> list[str]:
+    """Settings that would bring the estimate under ``limit``, each with its estimate."""
+
+    def need(c: RLJobConfig, n: ModelCounts) -> int:
+        g = estimate(c, n, devices, limit)
+        if gpus:
+            return g.trainer_bytes + g.rollout_bytes if g.colocated else g.trainer_bytes
+        return g.machine_bytes()
+
+    ideas: list[str] = []
+    if not config.model.lora.enabled:
+        rank = 16
+        adapters = _lora_adapters(counts, rank, config.model.lora.targets)
+        lora = attrs.evolve(config, model=attrs.evolve(
+            config.model, lora=attrs.evolve(config.model.lora, rank=rank)))  # fmt: skip
+        n = attrs.evolve(counts, trainable=adapters + counts.loss_state,
+                         frozen=counts.total)  # fmt: skip
+        ideas.append(f"LoRA, --set model.lora.rank={rank}: about {need(lora, n) / GIB:.1f} GiB")
+    t = config.trainer
+    rows = t.microbatch_size or t.batch_size
+    if rows > 1:
+        smaller = attrs.evolve(config, trainer=attrs.evolve(t, microbatch_size=max(1, rows // 4)))
+        ideas.append(
+            f"a smaller micro-batch, --set trainer.microbatch_size={max(1, rows // 4)}: about "
+            f"{need(smaller, counts) / GIB:.1f} GiB"
+        )
+    if config.resources.colocate is True:
+        ideas.append("or colocation off (resources.colocate = false) on two devices")
+    return ideas or [f"nothing this check knows of brings it under {limit / GIB:.1f} GiB"]
+
+
+def _lora_adapters(counts: ModelCounts, rank: int, targets: tuple[str, ...]) -> int:
+    """The adapters' parameters at ``rank`` on ``targets`` of a model of ``counts``' shape."""
+    h, i, q = counts.hidden, counts.intermediate, counts.heads * counts.head_dim
+    kv = counts.kv_heads * counts.head_dim
+    shapes = {
+        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h),
+        "lm_head": (h, counts.vocab),
+    }  # fmt: skip
+    per_layer = sum(rank * sum(shapes[t]) for t in targets if t != "lm_head")
+    head = rank * sum(shapes["lm_head"]) if "lm_head" in targets else 0
+    return counts.layers * per_layer + head

@@ -1,0 +1,104 @@
+"""The memory check before a job starts (issue 61): a job that cannot fit stops before anything
+is written (exit 3) with the estimate and the settings that would fit; one that fits prints its
+estimate. The parameters are counted from shapes only, as the trainer will hold them."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.errors import ExitCode
+from marin_rl_core.job import memory
+from marin_rl_core.models.build import initial_model
+from marin_rl_core.models.lora import adapter_parameter_count, add_adapters, parameter_count
+from marin_rl_core.models.tokenizer import model_tokenizer
+from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+QWEN3_1_7B = {
+    "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "tie_word_embeddings": True,
+}  # fmt: skip
+"""Qwen3-1.7B's ``config.json`` shape (1.72B parameters with tied embeddings)."""
+
+
+@pytest.fixture
+def qwen3_1_7b_config_only(tmp_path):
+    """A checkpoint directory of Qwen3-1.7B's shape holding its config and tokenizer but tiny
+    weights: the check reads the config alone, and stops the job before any weight is read."""
+    path = write_tiny_hf_checkpoint(tmp_path / "qwen3-1.7b", "qwen3")
+    config = json.loads((path / "config.json").read_text())
+    config.update(QWEN3_1_7B)
+    config.pop("layer_types", None)  # one per layer: transformers derives them again
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture
+def machine_of_24_gib(monkeypatch):
+    """This check's view of the machine: 24 GiB free (the 2-core CI machine's size), whatever
+    the machine running the tests has."""
+    monkeypatch.setattr(
+        memory, "available_memory", lambda: ("the 24.0 GiB this machine has free", 24 * 2**30, 1)
+    )
+
+
+def test_full_fine_tuning_of_a_1_7b_model_is_stopped_before_it_starts_naming_lora(
+    cli, tmp_path, qwen3_1_7b_config_only, machine_of_24_gib
+):
+    result = cli(
+        "run", "--model", str(qwen3_1_7b_config_only), "--env", "math",
+        "--set", "model.max_seq_len=256", "--set", f'run_dir="{tmp_path / "runs"}"',
+    )  # fmt: skip
+    assert result.exit_code == ExitCode.CONFIG, result.output
+    out = " ".join(result.output.split())
+    assert "does not fit" in out and "24.0 GiB" in out
+    assert "--set model.lora.rank=16: about" in out and "optimizer" in out
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists(), "nothing may be written before the check"
+
+
+def test_with_lora_the_same_model_fits_and_its_estimate_is_said(
+    qwen3_1_7b_config_only, machine_of_24_gib
+):
+    registry = build_registry()
+
+    def config(*overrides):
+        return resolve_config(
+            registry,
+            selections={"env": "math"},
+            overrides=[
+                f'model.checkpoint="{qwen3_1_7b_config_only}"', "model.max_seq_len=256",
+                *overrides,
+            ],
+        )  # fmt: skip
+
+    full, lora = config(), config("model.lora.rank=16")
+    counts = memory.model_counts(full, registry)
+    assert 1.70e9 < counts.total < 1.74e9 and counts.trainable == counts.total
+    lora_counts = memory.model_counts(lora, registry)
+    assert lora_counts.trainable < 0.02 * lora_counts.total
+    # The suggestion's count of the adapters (from the shapes) is the built model's.
+    assert memory._lora_adapters(counts, 16, lora.model.lora.targets) == lora_counts.trainable
+    line = memory.check_memory(lora, registry)
+    assert line.startswith("memory: the job needs about") and "optimizer" in line
+    assert (
+        memory.estimate(lora, lora_counts).trainer["optimizer"]
+        < 0.02 * (memory.estimate(full, counts).trainer["optimizer"])
+    )
+
+
+def test_the_counts_are_the_built_models(tmp_path):
+    """Shapes only, yet the same numbers as the model the trainer builds (adapters too)."""
+    registry = build_registry()
+    config = resolve_config(registry, overrides=["model.lora.rank=4", "model.num_layers=2"])
+    model = initial_model(config, model_tokenizer(config.model))
+    adapted = add_adapters(model, config.model.lora, key=jax.random.PRNGKey(0))
+    counts = memory.model_counts(config, registry)
+    assert counts.total == parameter_count(adapted)
+    assert counts.trainable == adapter_parameter_count(adapted)
+    assert counts.frozen == parameter_count(model)
