@@ -162,6 +162,10 @@ def test_a_lora_job_on_a_checkpoint_trains_resumes_and_exports_the_merged_policy
     assert all(np.isfinite(r["kl"]) for r in train) and train[-1]["kl"] > 0
     assert checkpoints_newest_first(run_dir)[0].name == "step-000003"
 
+    # marinrl eval: the merged policy of the newest checkpoint, on the run's held-out problems
+    evaluated = cli("eval", str(run_dir), "--n-examples", "8")
+    assert evaluated.exit_code == 0, evaluated.output
+    assert "│ add" in evaluated.output and "problems" in evaluated.output, evaluated.output
     out = tmp_path / "export"
     result = cli("export", str(run_dir), str(out))
     assert result.exit_code == 0, result.output

@@ -188,9 +188,14 @@ def estimate(
     t = config.trainer
     mp = t.mp_policy(hf_checkpoint=bool(config.model.checkpoint))
     p, c = _dtype_bytes(mp.param_dtype), _dtype_bytes(mp.compute_dtype)
-    sizes = mesh_sizes(t.mesh, trainer_devices, t.batch_size, t.microbatch_size)
-    shards = sizes["fsdp"] * sizes["tensor_parallel"]
-    rows = max(1, (t.microbatch_size or t.batch_size) // sizes["batch_shards"])
+    shards, rows = 1, t.microbatch_size or t.batch_size  # one device, or a host's CPU devices
+    if trainer_devices > 1:  # GPUs: per device (a layout that does not fit is told later)
+        try:
+            sizes = mesh_sizes(t.mesh, trainer_devices, t.batch_size, t.microbatch_size)
+        except ConfigError:
+            sizes = {"fsdp": 1, "tensor_parallel": 1, "batch_shards": 1}
+        shards = sizes["fsdp"] * sizes["tensor_parallel"]
+        rows = max(1, rows // sizes["batch_shards"])
     seq, n = config.model.max_seq_len, counts
     lora = config.model.lora.enabled
     trainer = {
