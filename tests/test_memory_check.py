@@ -77,7 +77,8 @@ def test_with_lora_the_same_model_fits_and_its_estimate_is_said(
             ],
         )  # fmt: skip
 
-    full, lora = config(), config("model.lora.rank=16")
+    # LoRA in one process, as the job would run on one accelerator (the bar's layout).
+    full, lora = config(), config("model.lora.rank=16", "resources.colocate=true")
     counts = memory.model_counts(full, registry)
     assert 1.70e9 < counts.total < 1.74e9 and counts.trainable == counts.total
     lora_counts = memory.model_counts(lora, registry)

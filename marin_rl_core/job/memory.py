@@ -338,8 +338,35 @@ def _what_would_fit(
             f"a smaller micro-batch, --set trainer.microbatch_size={max(1, rows // 4)}: about "
             f"{need(smaller, counts) / GIB:.1f} GiB"
         )
-    if config.resources.colocate is True:
-        ideas.append("or colocation off (resources.colocate = false) on two devices")
+    current = need(config, counts)
+    prompts = config.sampling.n_prompts
+    # (lessons with sampling of their own are not changed by it: said only where it helps)
+    fewer_helps = (
+        prompts > 1
+        and need(
+            attrs.evolve(
+                config, sampling=attrs.evolve(config.sampling, n_prompts=prompts // 4 or 1)
+            ),
+            counts,
+        )
+        < 0.95 * current
+    )
+    if fewer_helps:
+        fewer = attrs.evolve(
+            config, sampling=attrs.evolve(config.sampling, n_prompts=prompts // 4 or 1)
+        )
+        ideas.append(
+            f"fewer sequences sampled at once (the KV cache), --set sampling.n_prompts="
+            f"{prompts // 4 or 1}: about {need(fewer, counts) / GIB:.1f} GiB"
+        )
+    if config.resources.colocate is not True and not gpus and config.num_rollout_workers == 1:
+        one = attrs.evolve(config, resources=attrs.evolve(config.resources, colocate=True))
+        ideas.append(
+            "the trainer and the sampler in one process (one copy of the model), --set "
+            f"resources.colocate=true: about {need(one, counts) / GIB:.1f} GiB"
+        )
+    if config.resources.colocate is True and gpus:
+        ideas.append("colocation off (resources.colocate = false): the sampler on another GPU")
     return ideas or [f"nothing this check knows of brings it under {limit / GIB:.1f} GiB"]
 
 
