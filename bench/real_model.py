@@ -125,9 +125,9 @@ def main() -> None:
             f"fine-tuning's Adam ({8 * total / 1e6:,.0f} MB)"
         )
         received = [r["rollout/weights_bytes"] for r in rollout if r.get("rollout/weights_bytes")]
-        if received:  # apart: the smallest row's bytes is one publish
+        if received:  # apart: the first row's receive is one whole publish (step 0's)
             model_bytes = total * (4 if args.f32 else 2)
-            one = min(received)
+            one = received[0]  # (later ones may skip leaves that did not change)
             print(
                 f"one weight publish: {one / 1e6:,.2f} MB, {one / model_bytes:.2%} of the "
                 f"model's {model_bytes / 1e6:,.0f} MB"
