@@ -51,6 +51,7 @@ class ModelCounts:
     trainable: int  # trained: the adapters (or the whole policy) and a loss's own state
     frozen: int  # not trained: a LoRA base
     loss_state: int  # a loss's own trained state (a critic), part of ``trainable``
+    reference: bool  # the loss keeps a KL reference model (its ``needs_reference_model``)
     layers: int
     hidden: int
     intermediate: int
@@ -105,37 +106,38 @@ def model_counts(config: RLJobConfig, registry: object) -> ModelCounts:
 
     from marin_rl_core.learner.loss import TrainedModel, loss_plan, with_loss_state
     from marin_rl_core.models.lora import add_adapters as adapt
-    from marin_rl_core.models.lora import trainable_filter
+    from marin_rl_core.models.lora import parameter_count, trainable_filter
 
     levanter_config, vocab = _levanter_config(config)
+    lora = config.model.lora.enabled
+    loss = registry.get("loss", config.loss.name).build(config.loss.config)  # type: ignore[attr-defined]
+    plan = loss_plan(loss.build(None))
 
     def build() -> object:
         import haliax as hax
 
         key = jax.random.PRNGKey(0)
         model = levanter_config.build(hax.Axis("vocab", vocab), key=key)
-        if config.model.lora.enabled:
+        if lora:
             model = adapt(model, config.model.lora, key=key)
-        loss = registry.get("loss", config.loss.name).build(config.loss.config)  # type: ignore[attr-defined]
-        plan = loss_plan(loss.build(None))
         trained, _ = with_loss_state(plan, model, key=key, learning_rate=1.0)
         return trained
 
     trained = eqx.filter_eval_shape(build)
     policy = trained.policy if isinstance(trained, TrainedModel) else trained
     state = trained.loss_state if isinstance(trained, TrainedModel) else None
-    total = _floats(policy)
-    state_count = _floats(state) if state is not None else 0
-    lora = config.model.lora.enabled
-    adapters = _floats(eqx.filter(policy, trainable_filter(policy))) if lora else 0
-    trainable = (adapters if config.model.lora.enabled else total) + state_count
+    total = parameter_count(policy)
+    state_count = parameter_count(state) if state is not None else 0
+    adapters = parameter_count(eqx.filter(policy, trainable_filter(policy))) if lora else 0
+    trainable = (adapters if lora else total) + state_count
     c = levanter_config
     heads = int(c.num_heads)
     return ModelCounts(
         total=total,
         trainable=trainable,
-        frozen=total - adapters if config.model.lora.enabled else 0,
+        frozen=total - adapters if lora else 0,
         loss_state=state_count,
+        reference=bool(loss.needs_reference_model),
         layers=int(c.num_layers),
         hidden=int(c.hidden_dim),
         intermediate=int(c.intermediate_dim),
@@ -143,20 +145,6 @@ def model_counts(config: RLJobConfig, registry: object) -> ModelCounts:
         kv_heads=int(c.num_kv_heads),
         head_dim=int(getattr(c, "head_dim", None) or c.hidden_dim // heads),
         vocab=vocab,
-    )
-
-
-def _floats(tree: object) -> int:
-    """How many numbers the floating-point leaves of ``tree`` (shapes or arrays) hold."""
-    import math
-
-    import jax
-    import jax.numpy as jnp
-
-    return sum(
-        math.prod(x.shape)
-        for x in jax.tree.leaves(tree)
-        if hasattr(x, "shape") and hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
     )
 
 
@@ -203,7 +191,7 @@ def estimate(
         "gradients": n.trainable * p // shards,
         "optimizer": 2 * n.trainable * p // shards,
         "compute copy": (n.trainable * c if c != p else 0) // shards,
-        "reference": (n.total * c if _needs_reference(config) and not lora else 0) // shards,
+        "reference": (n.total * c if n.reference and not lora else 0) // shards,
     }
     layer = rows * seq * (6 * n.hidden + 3 * n.intermediate) * c + rows * n.heads * seq * seq * 4
     kept = n.layers * rows * seq * n.hidden * c if config.model.resolved_gradient_checkpointing \
@@ -240,11 +228,6 @@ def estimate(
         colocated=colocated,
         rollout_workers=config.num_rollout_workers,
     )
-
-
-def _needs_reference(config: RLJobConfig) -> bool:
-    kl = getattr(config.loss.config, "kl_coef", 0.0)
-    return bool(kl and kl > 0)
 
 
 def available_memory() -> tuple[str, int, int] | None:

@@ -22,11 +22,13 @@ What the rest of marinrl uses:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from levanter.lora import LoraLinear, LowRankLinear, is_lora_param
 
 from marin_rl_core.errors import ConfigError
@@ -175,11 +177,13 @@ class AdaptedBase:
 
 
 def parameter_count(tree: Any) -> int:
-    """How many numbers ``tree``'s floating-point arrays hold."""
+    """How many numbers ``tree``'s floating-point arrays hold (or would: ``jax.eval_shape``'s
+    ``ShapeDtypeStruct`` leaves count as the arrays they describe)."""
     return sum(
-        int(x.size)
+        math.prod(x.shape)
         for x in jax.tree.leaves(tree)
-        if eqx.is_array(x) and jnp.issubdtype(x.dtype, jnp.floating)
+        if isinstance(x, jax.ShapeDtypeStruct | jax.Array | np.ndarray)
+        and jnp.issubdtype(x.dtype, jnp.floating)
     )
 
 
