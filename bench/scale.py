@@ -22,6 +22,11 @@ same figures plus model FLOPs utilisation (``--peak-tflops``: the accelerator's 
 
     python bench/scale.py                       # everything, 1 and 4 devices (~30 min, 2 cores)
     python bench/scale.py --devices 1 --skip-job
+    python bench/scale.py --shape qwen3-1.7b --lora 16 --colocate --skip-figures   # issue 61
+
+``--shape`` picks Qwen3-0.6B (default), -1.7B or -8B; ``--lora RANK`` and ``--colocate`` set the
+job's ``model.lora.rank`` and ``resources.colocate``, and the job part prints the memory check's
+estimate (printed before start) against the peak resident memory of the job's processes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,16 +57,27 @@ QWEN3_0_6B = dict(
 )
 """Qwen3-0.6B's ``config.json`` (its tied embeddings are ``write_tiny_hf_checkpoint``'s default
 for Qwen3)."""
+SHAPES = {
+    "qwen3-0.6b": QWEN3_0_6B,
+    # 1.72B parameters, tied embeddings.
+    "qwen3-1.7b": {**QWEN3_0_6B, "hidden_size": 2048, "intermediate_size": 6144},
+    # 8.2B parameters, untied embeddings.
+    "qwen3-8b": {
+        **QWEN3_0_6B, "hidden_size": 4096, "intermediate_size": 12288, "num_layers": 36,
+        "num_attention_heads": 32, "tie_word_embeddings": False,
+    },
+}  # fmt: skip
+"""The ``--shape`` s: Qwen3 models' ``config.json`` s."""
 
 
-def write_checkpoint(path: Path, *, layers: int) -> Path:
+def write_checkpoint(path: Path, *, shape: str, layers: int) -> Path:
     from marin_rl_core.testing import write_tiny_hf_checkpoint
 
-    if (path / "model.safetensors").exists():
+    if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
         return path
-    print(f"writing a Qwen3-0.6B-shaped checkpoint ({layers} layers) to {path} ...", flush=True)
-    shape = {**QWEN3_0_6B, "num_layers": layers}
-    return write_tiny_hf_checkpoint(path, "qwen3", dtype="bfloat16", **shape)
+    print(f"writing a {shape}-shaped checkpoint ({layers} layers) to {path} ...", flush=True)
+    fields = {**SHAPES[shape], "num_layers": layers}
+    return write_tiny_hf_checkpoint(path, "qwen3", dtype="bfloat16", **fields)
 
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
@@ -152,7 +169,8 @@ def figures(args: argparse.Namespace) -> None:
 
 class PeakMemory:
     """The peak resident memory of a process and its children, sampled every 0.2 s; the peak of
-    each child process by the name a marinrl job gives it (``trainer``, ``rollout``)."""
+    each child process by the actor a marinrl job runs in it (``TrainerService``, the colocated
+    trainer and sampler's included, and ``RolloutService``)."""
 
     def __init__(self, pid: int):
         import psutil
@@ -180,8 +198,12 @@ class PeakMemory:
                 except psutil.Error:
                     continue
                 total += rss
-                for role in ("TrainerService", "RolloutService"):
-                    if role in title:
+                for role, name in (
+                    ("TrainerService", "TrainerService"),
+                    ("TrainerService", "ColocatedService"),  # trainer and sampler in one
+                    ("RolloutService", "RolloutService"),
+                ):
+                    if name in title:
                         self.by_role[role] = max(self.by_role.get(role, 0), rss)
             self.total = max(self.total, total)
             time.sleep(0.2)
@@ -191,10 +213,21 @@ class PeakMemory:
         self._thread.join()
 
 
-def run_measured(command: list[str], env: dict | None = None) -> tuple[int, float, PeakMemory]:
+def run_measured(
+    command: list[str], env: dict | None = None, lines: list[str] | None = None
+) -> tuple[int, float, PeakMemory]:
+    """Run ``command``, sampling its processes' resident memory; its output is printed as it
+    comes and, with ``lines``, kept there."""
     start = time.monotonic()
-    proc = subprocess.Popen(command, env=env)
+    proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     peak = PeakMemory(proc.pid)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        if lines is not None:
+            lines.append(line)
     code = proc.wait()
     peak.stop()
     return code, time.monotonic() - start, peak
@@ -216,10 +249,17 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--skip-job", action="store_true")
     parser.add_argument("--skip-figures", action="store_true", help="only the marinrl job")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
+    parser.add_argument(
+        "--lora", type=int, default=0, metavar="RANK", help="the job trains LoRA adapters"
+    )
+    parser.add_argument(
+        "--colocate", action="store_true", help="the job's trainer and sampler in one process"
+    )
     parser.add_argument(
         "--layers",
         type=int,
-        default=QWEN3_0_6B["num_layers"],
+        default=None,
         help="fewer layers of the same width and vocabulary (the 4-device comparison of the "
         "whole 28 layers needs more than 24 GiB of host memory: 4 simulated devices share it)",
     )
@@ -228,14 +268,16 @@ def main() -> None:
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    layers = "" if args.layers == QWEN3_0_6B["num_layers"] else f"-{args.layers}-layers"
-    args.checkpoint = args.checkpoint or cache / "marinrl" / f"bench-qwen3-0.6b{layers}"
+    full = SHAPES[args.shape]["num_layers"]
+    args.layers = args.layers or full
+    layers = "" if args.layers == full else f"-{args.layers}-layers"
+    args.checkpoint = args.checkpoint or cache / "marinrl" / f"bench-{args.shape}{layers}"
     if args.part == "figures":
         args.devices = args.devices[0]
         figures(args)
         return
 
-    write_checkpoint(args.checkpoint, layers=args.layers)
+    write_checkpoint(args.checkpoint, shape=args.shape, layers=args.layers)
     results: dict[int, dict] = {}
     for devices in [] if args.skip_figures else args.devices:
         out = Path(tempfile.mkdtemp(prefix="marinrl-scale-")) / "figures.json"
@@ -311,16 +353,32 @@ def job(args: argparse.Namespace) -> None:
         f"trainer.num_train_steps={args.steps}",
         f'run_dir="{run_dir}"',
         "eval.frequency=1000",
+        *([f"model.lora.rank={args.lora}"] if args.lora else []),
+        *(["resources.colocate=true"] if args.colocate else []),
     ]:
         command += ["--set", override]
     command += ["--run-id", "qwen3"]
-    print(f"\n== marinrl run ({args.steps} RL steps), then marinrl export")
-    code, seconds, peak = run_measured(command)
+    what = f"{args.shape}, {'LoRA rank ' + str(args.lora) if args.lora else 'full fine-tuning'}"
+    print(f"\n== marinrl run ({args.steps} RL steps, {what}), then marinrl export")
+    lines: list[str] = []
+    code, seconds, peak = run_measured(command, lines=lines)
+    trainer, rollout = (peak.by_role.get(r, 0) for r in ("TrainerService", "RolloutService"))
     print(
         f"marinrl run              exit {code} in {seconds:.0f} s; peak RSS: all processes "
-        f"{gib(peak.total)}, trainer {gib(peak.by_role.get('TrainerService', 0))}, rollout "
-        f"worker {gib(peak.by_role.get('RolloutService', 0))}"
+        f"{gib(peak.total)}, trainer {gib(trainer)}, rollout worker {gib(rollout)}"
     )
+    estimates = [
+        float(m.group(1))
+        for m in (re.search(r"memory: the job needs about ([\d.]+) GiB", x) for x in lines)
+        if m
+    ]
+    if estimates:  # the check's estimate covers the trainer's and the rollout workers' processes
+        measured = (trainer + rollout) / 2**30
+        print(
+            f"memory estimate          {estimates[0]:.1f} GiB before start, measured peak RSS "
+            f"of the job's processes {measured:.2f} GiB: estimate / measured "
+            f"{estimates[0] / measured:.2f}   (target within 25%)"
+        )
     if code:
         sys.exit(f"marinrl run failed: see {run_dir / 'qwen3' / 'driver.log'}")
     rows = [json.loads(line) for line in (run_dir / "qwen3" / "metrics.jsonl").open()]

@@ -243,6 +243,10 @@ def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, tmp_path):
     exported = cli("export", str(tmp_path / "v5"), str(tmp_path / "v5-export"))
     assert exported.exit_code == 0, exported.output
     check_trained_and_exported(old, tmp_path / "v5", tmp_path / "v5-export", "qwen3")
+    # A run without LoRA has no adapters to export alone.
+    result = cli("export", str(tmp_path / "v5"), str(tmp_path / "adapter"), "--adapter")
+    assert result.exit_code == ExitCode.CONFIG
+    assert "trained without LoRA" in result.output and "drop --adapter" in result.output
 
 
 # About 75 s each here, so with `nox -s slow`; the guide's test above covers Qwen3.

@@ -4,11 +4,14 @@ base inside it, and is sampled, resumed and exported with the adapters merged in
 
 from __future__ import annotations
 
+import json
+
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
+import transformers
 from test_learner import short_rollouts
 
 from marin_rl_core import build_registry
@@ -140,16 +143,23 @@ def test_a_lora_target_no_model_has_is_a_config_error():
 
 
 def test_a_lora_job_on_a_checkpoint_trains_resumes_and_exports_the_merged_policy(cli, tmp_path):
-    """Through ``marinrl run`` on a tiny Qwen3 checkpoint: a LoRA job trains with a KL penalty,
-    resumes from its checkpoint (adapters and their optimizer state), and ``marinrl export``
+    """Through ``marinrl run`` on a tiny Qwen3 checkpoint: a LoRA job (colocated, the kv
+    engine) trains with a KL penalty, resumes from its adapters-only checkpoint (adapters and
+    their optimizer state, read onto the base loaded again), and ``marinrl export``
     writes the merged policy: transformers loads it and computes what the run's policy
     computes, its layers without adapters (the embeddings) exactly the checkpoint's."""
-    from test_hf_models import SMALL_JOB, check_trained_and_exported
+    from test_hf_models import (
+        SMALL_JOB,
+        check_trained_and_exported,
+        prompt_rows,
+        transformers_logits,
+    )
 
     source = write_tiny_hf_checkpoint(tmp_path / "base", "qwen3")
     args = [
         "--model", str(source), *SMALL_JOB, "--set", "model.lora.rank=4",
         "--set", "loss.kl_coef=0.05", "--set", "trainer.learning_rate=0.05",
+        "--set", "resources.colocate=true", "--set", 'engine.name="kv"',
     ]  # fmt: skip
     run_dir = tmp_path / "lora"
     first = ["--set", "trainer.num_train_steps=2", "--set", f'run_dir="{tmp_path}"']
@@ -160,6 +170,7 @@ def test_a_lora_job_on_a_checkpoint_trains_resumes_and_exports_the_merged_policy
     train = [r for r in read_metrics(run_dir) if r["source"] == "train"]
     assert [r["step"] for r in train] == [1, 2, 3]
     assert all(np.isfinite(r["kl"]) for r in train) and train[-1]["kl"] > 0
+    assert all(r["mean_weight_lag"] == 0 for r in train)  # colocated: on-policy
     assert checkpoints_newest_first(run_dir)[0].name == "step-000003"
 
     # marinrl eval: the merged policy of the newest checkpoint, on the run's held-out problems
@@ -179,13 +190,57 @@ def test_a_lora_job_on_a_checkpoint_trains_resumes_and_exports_the_merged_policy
         return found
 
     before, after = weights(source), weights(out)
-    # Frozen, the base is held in the compute dtype (bfloat16 for a checkpoint): no float32
-    # copy of it, and the layers without adapters come out as the checkpoint's, so rounded.
+    # The checkpoints hold the adapters alone (the base is read again from model.checkpoint), so
+    # the layers without adapters come out exactly as the base checkpoint has them.
     name = "model.embed_tokens.weight"
-    rounded = np.asarray(jnp.asarray(before[name], jnp.bfloat16), np.float32)
-    np.testing.assert_array_equal(after[name].astype(np.float32), rounded)
+    np.testing.assert_array_equal(after[name], before[name])
     q = "model.layers.0.self_attn.q_proj.weight"
     assert np.abs(after[q].astype(np.float32) - before[q].astype(np.float32)).max() > 0
+
+    # The checkpoint holds the adapters (and their optimizer state), not the base, and names it.
+    newest = checkpoints_newest_first(run_dir)[0]
+    stored = {p.relative_to(newest).as_posix() for p in (newest / "model").rglob("*")}
+    assert any("/lora/lora_A" in p for p in stored) and not any("wrapped" in p for p in stored)
+    assert not any("embed" in p for p in stored), sorted(stored)[:5]
+    base = json.loads((newest / "state.json").read_text())["lora_base"]
+    assert base["checkpoint"] == str(source) and len(base["weights_sha256"]) == 64
+
+    # --adapter: a PEFT folder that peft loads onto the base, computing what the merged export
+    # computes.
+    peft = pytest.importorskip("peft")
+    adapter_dir = tmp_path / "adapter"
+    result = cli("export", str(run_dir), str(adapter_dir), "--adapter")
+    assert result.exit_code == 0, result.output
+    assert "PeftModel.from_pretrained" in result.output, result.output
+    rows = prompt_rows(source)
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32)
+    base_logits = logits_of(base_model, rows)
+    with_adapters = peft.PeftModel.from_pretrained(base_model, str(adapter_dir))
+    np.testing.assert_allclose(
+        logits_of(with_adapters, rows), transformers_logits(out, rows), atol=2e-4, rtol=1e-4
+    )
+    assert np.abs(logits_of(with_adapters, rows) - base_logits).max() > 1e-3
+
+    # A base that changed since training is refused (exit 3, naming it) by resume, export, eval.
+    weights_file = next(source.glob("*.safetensors"))
+    tensors = safetensors.numpy.load_file(weights_file)
+    tensors[q] = tensors[q] * 1.01
+    safetensors.numpy.save_file(tensors, weights_file, metadata={"format": "pt"})
+    for command in (
+        ["run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=4"],
+        ["export", str(run_dir), str(tmp_path / "again")],
+        ["eval", str(run_dir), "--n-examples", "2"],
+    ):
+        result = cli(*command)
+        assert result.exit_code == 3, (command, result.output)
+        assert "is not the base the adapters of step-000003 were trained on" in result.output
+        assert "weights differ" in result.output, result.output
+    assert not (tmp_path / "again").exists()
+
+
+def logits_of(model, rows):
+    with torch.no_grad():
+        return model(torch.tensor(rows)).logits.numpy()
 
 
 def test_ppo_with_lora_trains_the_adapters_and_its_critic_and_keeps_the_base(tmp_path):
@@ -223,16 +278,19 @@ def test_ppo_with_lora_trains_the_adapters_and_its_critic_and_keeps_the_base(tmp
 def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_policy(
     cli, tmp_path, tiny_mock_job
 ):
-    """A LoRA job whose rollout worker runs apart: each publish moves the adapters alone (every
-    receive is a whole number of adapter sets, in bytes: under a tenth of the model), and the
-    worker merges them into the base it loaded (the merge itself is checked against the
-    trainer's in ``test_only_the_adapters_train_and_hold_optimizer_state``); on-policy, the
-    trainer's and the sampler's log-probabilities agree."""
+    """A LoRA job whose rollout worker runs apart (grpo, a multi-turn env, object storage, the
+    paged engine): each publish moves the adapters alone (every receive is a whole number of
+    adapter sets, in bytes: under a tenth of the model), and the worker merges them into the
+    base it loaded (the merge itself is checked against the trainer's in
+    ``test_only_the_adapters_train_and_hold_optimizer_state``); on-policy, the trainer's and the
+    sampler's log-probabilities agree."""
     from marin_rl_core.models.lora import add_adapters
     from marin_rl_core.models.tokenizer import model_tokenizer
 
+    job = [a if a != "mock" else "guess" for a in tiny_mock_job]
     result = cli(
-        "run", *tiny_mock_job, "--set", "model.lora.rank=4", "--set", "loss.kl_coef=0.05",
+        "run", *job, "--loss", "grpo", "--storage", "gcs", "--set", 'engine.name="paged"',
+        "--set", "model.lora.rank=4", "--set", "loss.kl_coef=0.05",
         "--set", "trainer.learning_rate=0.05", "--set", "trainer.num_train_steps=3",
         "--set", "resources.colocate=false", "--set", "replay_buffer.max_rollout_step_delay=0",
         "--set", f'run_dir="{tmp_path}"', "--run-id", "apart",
@@ -260,3 +318,4 @@ def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_polic
     assert "params/total" not in train[1]
     log = (tmp_path / "apart" / "logs" / "trainer.log").read_text()
     assert "parameters (" in log and "LoRA rank 4); optimizer state" in log
+    assert any(r.get("rollout/turns", 0) > 1 for r in rows), "a multi-turn env"

@@ -634,9 +634,11 @@ def test_a_stopped_and_resumed_ppo_trainer_matches_an_uninterrupted_one(tmp_path
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_path):
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_path, lora_rank):
     """A checkpoint of the policy alone (an ``rloo`` run) resumes under ``ppo``: the policy and
-    the step come back, the critic starts fresh and the user is told; and back again."""
+    the step come back, the critic starts fresh and the user is told; and back again. With LoRA
+    the checkpoints hold the adapters alone, read onto the base the trainer loaded."""
     from marin_rl_core.learner.loss import TrainedModel, policy_of
     from marin_rl_core.learner.trainer import Trainer
 
@@ -646,12 +648,18 @@ def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_p
         config = resolve_config(
             registry, selections={"env": "mock", "loss": loss},
             overrides=["trainer.batch_size=8", "sampling.n_generations_per_prompt=2",
-                       "model.max_seq_len=24", "loss.kl_coef=0.0"],
+                       "model.max_seq_len=24", "loss.kl_coef=0.0",
+                       f"model.lora.rank={lora_rank}", "trainer.learning_rate=0.01"],
         )  # fmt: skip
         return Trainer(config, registry, run_dir=tmp_path, storage=None)
 
-    def embedding(t):
-        return np.asarray(policy_of(t.state.model).embeddings.token_embeddings.weight.array)
+    def embedding(t):  # what trains: the embeddings, or with LoRA an adapter
+        policy = policy_of(t.state.model)
+        if lora_rank:
+            return np.asarray(
+                policy.transformer.layers.stacked.mlp.up_proj.lora.lora_B.weight.array
+            )
+        return np.asarray(policy.embeddings.token_embeddings.weight.array)
 
     rs = rollouts(8, seed=3, lesson="mock")
     first = trainer("rloo")
@@ -659,12 +667,20 @@ def test_a_run_switched_to_or_from_a_loss_with_a_critic_resumes_its_policy(tmp_p
         first.train_one_step(rs, np.linspace(-1, 1, 8).astype(np.float32))
     first.checkpoint()
     trained = embedding(first)
+    assert np.abs(trained).max() > 0
+
+    def base(t):  # with LoRA, frozen and not in the checkpoint: the one the trainer loaded
+        return np.asarray(policy_of(t.state.model).embeddings.token_embeddings.weight.array)
+
+    first_base = base(first)
     del first
 
     ppo = trainer("ppo")
     assert isinstance(ppo.state.model, TrainedModel) and ppo.step == 2
     assert int(ppo.state.step) == 2
     np.testing.assert_array_equal(embedding(ppo), trained)
+    if lora_rank:
+        np.testing.assert_array_equal(base(ppo), first_base)
     assert not np.asarray(ppo.state.model.loss_state.head.weight.array).any()  # a fresh critic
     assert any("critic) starts fresh" in w for w in ppo.resume_warnings), ppo.resume_warnings
     ppo.train_one_step(rs, np.zeros(8, np.float32))  # trains on from there

@@ -395,16 +395,33 @@ def export(
     step: Annotated[
         int | None, typer.Option(help="Export this step's checkpoint (default: the newest).")
     ] = None,
+    adapter: Annotated[
+        bool,
+        typer.Option(
+            "--adapter",
+            help="A LoRA run: write its adapters alone as a PEFT adapter folder, to load onto "
+            "the base checkpoint with peft.PeftModel.from_pretrained.",
+        ),
+    ] = False,
     plugin: PluginOpt = None,
     disable_plugin: DisableOpt = None,
 ) -> None:
     """Write a run's trained policy as a Hugging Face checkpoint (safetensors, config, tokenizer
-    and chat template) that transformers loads with from_pretrained."""
+    and chat template) that transformers loads with from_pretrained; a LoRA run's with its
+    adapters merged in, or (--adapter) the adapters alone as a PEFT folder."""
 
     def go() -> None:
-        from marin_rl_core.learner.export import export_hf
+        from marin_rl_core.learner.export import export_adapter, export_hf
 
         registry = registry_for(plugin, disable_plugin)
+        if adapter:
+            out, trained_step, base = export_adapter(run_dir, out_dir, registry, step=step)
+            typer.echo(
+                f"exported the LoRA adapters of step {trained_step} of {run_dir} to {out}\n"
+                f"  load them: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+                f"{base!r}), {str(out)!r})"
+            )
+            return
         out, trained_step = export_hf(run_dir, out_dir, registry, step=step)
         typer.echo(
             f"exported step {trained_step} of {run_dir} to {out}\n"

@@ -132,10 +132,14 @@ DEFAULT_MODEL_SHAPE_FIELDS = (
 )  # fmt: skip
 
 
-def resume_conflicts(saved: RLJobConfig, new: RLJobConfig) -> list[str]:
+def resume_conflicts(
+    saved: RLJobConfig, new: RLJobConfig, run_dir: Path | None = None
+) -> list[str]:
     """Settings of ``new`` that change what the checkpoints of a run saved with ``saved`` hold
     (the model's shape, vocabulary, parameter dtype), as ``"model.hidden_dim: 64 -> 128"``: a
-    resume with them could not load the run's checkpoints. Empty when they load."""
+    resume with them could not load the run's checkpoints. Empty when they load. With
+    ``run_dir``, a LoRA run's newest checkpoint is also checked to name the base ``new`` loads
+    (:func:`~marin_rl_core.learner.lora_checkpoint.base_problem`)."""
     fields = list(STATE_SHAPING_MODEL_FIELDS)
     if not saved.model.checkpoint and not new.model.checkpoint:
         fields += DEFAULT_MODEL_SHAPE_FIELDS
@@ -160,6 +164,13 @@ def resume_conflicts(saved: RLJobConfig, new: RLJobConfig) -> list[str]:
             f"trainer.precision: {saved.trainer.precision!r} -> {new.trainer.precision!r} "
             f"(parameters in {dtypes[0].__name__} -> {dtypes[1].__name__})"
         )
+    if run_dir is not None and not out:
+        from marin_rl_core.learner.checkpoint import latest_checkpoint
+        from marin_rl_core.learner.lora_checkpoint import base_problem
+
+        newest = latest_checkpoint(run_dir)
+        problem = None if newest is None else base_problem(newest, new)
+        out += [problem] if problem else []
     return out
 
 

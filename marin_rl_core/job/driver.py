@@ -195,7 +195,7 @@ class RLJob:
         except MarinRLError as exc:
             logger.warning("the saved config of %s does not resolve: %s", self.run_dir, exc)
             return  # the checkpoint load says what is wrong, if anything
-        conflicts = resume_conflicts(saved, self.config)
+        conflicts = resume_conflicts(saved, self.config, self.run_dir)
         if conflicts:
             raise ConfigError(
                 f"--resume {self.run_dir}: these settings change what the run's checkpoints hold, "

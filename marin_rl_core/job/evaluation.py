@@ -29,11 +29,12 @@ def evaluate_checkpoint(
     """
     from marin_rl_core.learner.checkpoint import (
         CheckpointError,
-        load_model,
+        latest_checkpoint,
         load_newest,
         read_state,
     )
-    from marin_rl_core.models.lora import merged, trained_policy_like
+    from marin_rl_core.learner.lora_checkpoint import check_base, trained_policy
+    from marin_rl_core.models.lora import trained_policy_like
     from marin_rl_core.models.tokenizer import model_tokenizer
     from marin_rl_core.rollout.manager import RolloutManager
 
@@ -45,11 +46,17 @@ def evaluate_checkpoint(
     config_file = run_config_file(run_dir)
     config = resolve_config(registry, files=[config_file])
     tokenizer = model_tokenizer(config.model)
+    # A LoRA run's adapters belong on the base they name: a changed base is refused first
+    # (not taken for a damaged checkpoint).
+    newest = candidates[0] if candidates else latest_checkpoint(run_dir)
+    if newest is not None:
+        check_base(newest, config)
     like = trained_policy_like(config, tokenizer)
 
     def load(checkpoint: Path) -> tuple[int, Any]:
         # A LoRA run's policy is its base with the adapters merged in.
-        return int(read_state(checkpoint)["step"]), merged(load_model(checkpoint, like))
+        step = int(read_state(checkpoint)["step"])
+        return step, trained_policy(checkpoint, config, tokenizer, like=like)
 
     warnings: list[str] = []
     if candidates:  # one checkpoint asked for by name: no falling back

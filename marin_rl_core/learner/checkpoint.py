@@ -254,15 +254,21 @@ def has_loss_state(checkpoint: str | Path) -> bool:
     return (run_path(checkpoint) / "model" / "policy").is_dir()
 
 
-def load_model(checkpoint: str | Path, like: Any) -> Any:
+def load_model(checkpoint: str | Path, like: Any, *, only: Any = None) -> Any:
     """Read only a checkpoint's policy into ``like`` (a model of the same structure), replicated
     on this process's devices. A checkpoint of a loss with trainable state keeps the policy
-    beside it (``model/policy``); the loss's state is not read."""
+    beside it (``model/policy``); the loss's state is not read. With ``only`` (a filter of
+    ``like``: an adapters-only checkpoint, :mod:`~marin_rl_core.learner.lora_checkpoint`), that
+    part is read and the rest is ``like``'s own values (the base)."""
+    import equinox as eqx
     import haliax as hax
     import levanter.checkpoint
 
     from marin_rl_core.models.build import local_data_mesh
 
+    if only is not None:
+        read, kept = eqx.partition(like, only)
+        return eqx.combine(load_model(checkpoint, read), kept)
     mesh = local_data_mesh()
     with hax.partitioning.set_mesh(mesh):
         return levanter.checkpoint.load_checkpoint(
@@ -276,20 +282,27 @@ def load_model(checkpoint: str | Path, like: Any) -> Any:
 
 
 def restore_policy_only(
-    learner: Any, plan: Any, config: Any, path: Path, like: Any
+    learner: Any, plan: Any, config: Any, path: Path, like: Any, *, adapters_only: bool = False
 ) -> tuple[Any, str]:
     """The trainer state from checkpoint ``path`` written by a loss with trainable state when
-    this run's loss (its :class:`~marin_rl_core.protocols.LossPlan`, ``plan``) has none, or the other way round (a run switched from ``rloo`` to
-    ``ppo``): the policy and the step resume; the loss's state starts fresh (a new critic) or is
+    this run's loss (its :class:`~marin_rl_core.protocols.LossPlan`, ``plan``) has none, or
+    the other way round (a run switched from ``rloo`` to ``ppo``): the policy and the step resume; the loss's state starts fresh (a new critic) or is
     left behind, and so does the optimizer's state, whose structure differs (its counters go on
     from the checkpoint's step, so the learning-rate schedule continues). Returns the state and
-    a note for the user saying so."""
+    a note for the user saying so. ``adapters_only``: the checkpoint holds a LoRA policy's
+    adapters alone (:mod:`~marin_rl_core.learner.lora_checkpoint`); ``like`` has the base."""
     import jax
+    from levanter.trainer_state import make_floating_point_trainable_filter
 
     from marin_rl_core.learner.loss import TrainedModel, policy_of, with_loss_state
+    from marin_rl_core.models.lora import trainable_filter
 
+    policy_like = policy_of(like.model)
+    only = None  # an adapters-only checkpoint (a LoRA run): the base stays as it is
+    if adapters_only:
+        only = make_floating_point_trainable_filter(trainable_filter(policy_like))
     policy = learner.restore(
-        path, policy_of(like.model), subpath="model/policy" if has_loss_state(path) else "model"
+        path, policy_like, subpath="model/policy" if has_loss_state(path) else "model", only=only
     )
     step = learner.restore(path, like.step, subpath="step")
     model, _ = with_loss_state(

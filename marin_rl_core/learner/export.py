@@ -10,6 +10,7 @@ ids are the stop tokens the run sampled with.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +55,14 @@ def trained_model(
 ) -> tuple[Any, Any, int]:
     """``(model, tokenizer, step)``: the policy of ``run_dir``'s checkpoint at ``step`` (newest
     by default), with the tokenizer the run used."""
-    import json
-
-    from marin_rl_core.learner.checkpoint import load_model
-    from marin_rl_core.models.lora import merged, trained_policy_like
+    from marin_rl_core.learner.lora_checkpoint import trained_policy
     from marin_rl_core.models.tokenizer import model_tokenizer
 
     checkpoint = run_checkpoint(run_dir, step)
     config = resolve_config(registry, files=[run_path(run_dir) / "config.toml"])
     tokenizer = model_tokenizer(config.model)
     # A LoRA run's policy is its base with the adapters merged in.
-    model = merged(load_model(checkpoint, trained_policy_like(config, tokenizer)))
+    model = trained_policy(checkpoint, config, tokenizer)
     return model, tokenizer, int(json.loads((checkpoint / "state.json").read_text())["step"])
 
 
@@ -92,4 +90,62 @@ def export_hf(
     return out, trained_step
 
 
-__all__ = ["export_hf", "run_checkpoint", "trained_model"]
+def export_adapter(
+    run_dir: str | Path, out_dir: str | Path, registry: Registry, *, step: int | None = None
+) -> tuple[Path, int, str]:
+    """Write the LoRA adapters of ``run_dir``'s checkpoint (at ``step``, newest by default) to
+    ``out_dir`` as a PEFT adapter folder (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``peft.PeftModel.from_pretrained`` loads onto the run's base checkpoint; returns
+    ``(out_dir, step, base)``, ``base`` the checkpoint it belongs on.
+
+    Raises:
+        ConfigError: as :func:`run_checkpoint`; a run without LoRA or on the random default
+            model (no base checkpoint to load adapters onto); an ``out_dir`` in the way; a base
+            that changed since training.
+    """
+    import haliax as hax
+    import levanter.lora
+
+    from marin_rl_core.learner.lora_checkpoint import trained_policy
+    from marin_rl_core.models.build import local_data_mesh
+    from marin_rl_core.models.pretrained import checkpoint_dir, is_hub_id
+    from marin_rl_core.models.tokenizer import model_tokenizer
+
+    run_dir = run_path(run_dir)
+    checkpoint = run_checkpoint(run_dir, step)
+    config = resolve_config(registry, files=[run_dir / "config.toml"])
+    lora = config.model.lora
+    if not lora.enabled:
+        raise ConfigError(
+            f"{run_dir} was trained without LoRA (model.lora.rank is 0): it has no adapters. "
+            "Export the whole model instead: drop --adapter."
+        )
+    if not config.model.checkpoint:
+        raise ConfigError(
+            f"{run_dir} trained adapters on marinrl's random default model, which no other tool "
+            "can load as a base: export the merged model instead (drop --adapter)."
+        )
+    out = Path(out_dir).expanduser()
+    if out.exists() and (
+        not out.is_dir() or (any(out.iterdir()) and not (out / "adapter_config.json").exists())
+    ):
+        raise ConfigError(
+            f"{out} exists and is not an empty directory or an earlier adapter export; choose a "
+            "new OUT_DIR"
+        )
+    tokenizer = model_tokenizer(config.model)
+    model = trained_policy(checkpoint, config, tokenizer, merge=False)
+    spec = config.model.checkpoint
+    base = spec if is_hub_id(spec) else str(checkpoint_dir(spec))
+    levanter_config = levanter.lora.LoraConfig(
+        target_modules=list(lora.targets), r=lora.rank, alpha=lora.scale * lora.rank
+    )
+    with hax.partitioning.set_mesh(local_data_mesh()):
+        levanter.lora.save_peft_pretrained(
+            model, levanter_config, base, str(out), prefix="base_model.model"
+        )
+    trained_step = int(json.loads((checkpoint / "state.json").read_text())["step"])
+    return out, trained_step, base
+
+
+__all__ = ["export_adapter", "export_hf", "run_checkpoint", "trained_model"]

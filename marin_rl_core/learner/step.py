@@ -359,10 +359,19 @@ class Learner:
                 key,
             )
 
-    def restore(self, checkpoint: str | Path, like: Any, *, subpath: str | None = None) -> Any:
+    def restore(
+        self, checkpoint: str | Path, like: Any, *, subpath: str | None = None, only: Any = None
+    ) -> Any:
         """``like`` (a ``TrainerState``, or its part at ``subpath``) with a checkpoint's values,
-        sharded over this mesh."""
+        sharded over this mesh. With ``only`` (a filter of ``like``: an adapters-only checkpoint
+        of a LoRA run), that part is read and the rest keeps ``like``'s values (the base)."""
+        import equinox as eqx
+
         from marin_rl_core.learner.checkpoint import load_trainer_state
+
+        if only is not None:
+            read, kept = eqx.partition(like, only)
+            return eqx.combine(self.restore(checkpoint, read, subpath=subpath), kept)
 
         # levanter notes every empty slot of the state (no model averaging: None) as an
         # "Unknown leaf type": checkpoint.py's filter drops those lines.

@@ -43,6 +43,7 @@ from marin_rl_core.learner.checkpoint import (
     save_checkpoint,
 )
 from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
+from marin_rl_core.learner.lora_checkpoint import BASE_KEY, base_identity, saved_base, saved_part
 from marin_rl_core.learner.loss import (
     TrainedModel,
     non_finite_advice,
@@ -136,9 +137,12 @@ class Trainer:
         # The step's rollouts into batches, and the batches into the loss's updates.
         self.updates = StepUpdates(config, self.plan, self.learner, pad_id=self.tokenizer.pad_id)
         key = jax.random.PRNGKey(config.seed + 1)
-        if checkpoints_newest_first(self.run_dir):
+        # A LoRA run's checkpoints hold the adapters alone and name their base (lora_checkpoint).
+        self._lora_base = base_identity(config) if self.lora else None
+        if checkpoints_newest_first(self.run_dir) and not self.lora:
             # Resuming: the checkpoint is read into the state's shapes, so that one trainer state
             # is alive, not a fresh one beside the restored one (and the base model is gone).
+            # (A LoRA run's base is not in its checkpoints: it stays, and the adapters are read.)
             like = self.learner.state_shapes(model, key=key)
         else:
             like = self.learner.init_state(model, key=key)
@@ -199,13 +203,15 @@ class Trainer:
         replay = path / REPLAY_FILE
         if replay.exists():  # checkpoints of older versions have none: an empty buffer
             self.replay.load_state_dict(replay.read_bytes(), state["replay_buffer"])
+        adapters_only = saved_base(path) is not None  # a LoRA run's: the base stays as it is
         if has_loss_state(path) != isinstance(like.model, TrainedModel):
             restored, note = restore_policy_only(
-                self.learner, self.plan, self.config, path, like
+                self.learner, self.plan, self.config, path, like, adapters_only=adapters_only
             )  # (a run that switched between rloo and ppo, say)
             self.resume_notes.append(note)
             return state, restored
-        return state, self.learner.restore(path, like)
+        only = saved_part(like, self.learner.is_trainable) if adapters_only else None
+        return state, self.learner.restore(path, like, only=only)
 
     def _enter(self, stage: str) -> float:
         """Mark the stage the trainer is in (the watchdog reports it); returns the time."""
@@ -328,8 +334,9 @@ class Trainer:
         path = save_checkpoint(
             self.run_dir,
             self.step,
-            trainer_state=self.state,
+            trainer_state=self.state.saveable_state if self.lora else self.state,
             state={
+                **({BASE_KEY: self._lora_base} if self.lora else {}),
                 "curriculum": self._curriculum_state(),
                 "replay_buffer": replay_state,
                 "rollout_positions": {str(k): v for k, v in self.rollout_positions.items()},
