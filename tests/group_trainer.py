@@ -3,13 +3,14 @@ checkpoints) in one process or as one process of a trainer group; used by
 tests/test_trainer_group.py.
 
     python tests/group_trainer.py DEVICES RUN_DIR ROLLOUTS_DIR STEPS OUT.json
-                                  [--group COORDINATOR,PROCESSES,PROCESS_ID]
+                                  [--group COORDINATOR,PROCESSES,PROCESS_ID] [--lora RANK]
 
 The rollouts are read from the ``gcs`` storage on the local directory ROLLOUTS_DIR (written by
 the test before). Process 0 reads them, serves weights with ``arrow_flight`` and, after the
 run, receives them back as a rollout worker would; the others follow it. Process 0 writes
 OUT.json: the step reached, each step's loss, the final parameters (a checksum per leaf) and
-those of the weights received.
+those of the weights received. With ``--lora RANK`` the policy trains LoRA adapters, and what
+is published and received is the adapters alone.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("steps", type=int)
     parser.add_argument("out")
     parser.add_argument("--group", default="")
+    parser.add_argument("--lora", type=int, default=0)
     args = parser.parse_args()
     import faulthandler
 
@@ -69,6 +71,8 @@ def main() -> None:
             "loss.kl_coef=0.1",
             "sampling.n_generations_per_prompt=2",
             f'storage.url="{args.rollouts}"',
+            f"model.lora.rank={args.lora}",
+            *(["trainer.learning_rate=0.01"] if args.lora else []),
         ],
     )
     leader = multihost.is_leader()
@@ -99,6 +103,10 @@ def main() -> None:
     # receives into this local copy (a model spread over the group would make its placing of
     # the received arrays a collective the followers, gone by then, never join).
     like = multihost.host_copy(trainer.model)
+    if args.lora:  # a LoRA policy publishes its adapters alone
+        from marin_rl_core.models.lora import adapters_of
+
+        like = adapters_of(like)
     if not leader:
         return
     import time
@@ -117,6 +125,7 @@ def main() -> None:
         "params": final,
         "received_step": received.weight_step,
         "received": sums(received.model),
+        "served": sums(like),
     }
     with open(args.out, "w") as f:
         json.dump(got, f)

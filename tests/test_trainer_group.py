@@ -64,8 +64,11 @@ def _write_rollouts(directory: Path) -> None:
         writer.write_batch(RolloutBatch(groups=groups), timeout=30)
 
 
-def _run(devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, group: int = 0):
+def _run(
+    devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, group: int = 0, lora=0
+):
     argv = [str(SCRIPT), str(devices), str(run_dir), str(rollouts), str(steps), str(out)]
+    argv += ["--lora", str(lora)] if lora else []
     if group:
         from test_sharding import run_group
 
@@ -80,12 +83,24 @@ def _run(devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, gro
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("trainer-group")
-    for name in ("group", "single"):
+    for name in ("group", "single", "group-lora", "single-lora"):
         _write_rollouts(tmp / f"rollouts-{name}")
     group = _run(2, tmp / "run-group", tmp / "rollouts-group", STEPS, tmp / "group.json", group=2)
     single = _run(4, tmp / "run-single", tmp / "rollouts-single", STEPS, tmp / "single.json")
     resumed = _run(1, tmp / "run-group", tmp / "rollouts-group", STEPS + 1, tmp / "resumed.json")
-    return {"group": group, "single": single, "resumed": resumed}
+    lora = {
+        name: _run(
+            4 // processes,
+            tmp / f"run-{name}",
+            tmp / f"rollouts-{name}",
+            STEPS,
+            tmp / f"{name}.json",
+            group=processes if processes > 1 else 0,
+            lora=4,
+        )  # fmt: skip
+        for name, processes in (("group-lora", 2), ("single-lora", 1))
+    }
+    return {"group": group, "single": single, "resumed": resumed, **lora}
 
 
 def test_a_trainer_group_runs_the_trainer_loop_like_one_process(runs):
@@ -97,6 +112,20 @@ def test_a_trainer_group_runs_the_trainer_loop_like_one_process(runs):
     for step, loss in single["losses"].items():
         np.testing.assert_allclose(group["losses"][step], loss, rtol=1e-5)
     np.testing.assert_allclose(group["params"], single["params"], rtol=1e-5)
+
+
+def test_a_trainer_group_trains_lora_adapters_like_one_process_and_serves_them_alone(runs):
+    group, single = runs["group-lora"], runs["single-lora"]
+    assert (group["processes"], group["devices"]) == (2, 4)
+    assert group["step"] == single["step"] == STEPS
+    for step, loss in single["losses"].items():
+        np.testing.assert_allclose(group["losses"][step], loss, rtol=1e-5)
+    np.testing.assert_allclose(group["params"], single["params"], rtol=1e-5)
+    # What the leader served is the adapters (fewer leaves than the model), as trained.
+    assert group["received_step"] == STEPS
+    assert len(group["received"]) == len(group["served"]) < len(group["params"])
+    np.testing.assert_allclose(group["received"], group["served"], rtol=1e-5)
+    assert any(s > 0 for s in group["served"][1::2]), "lora_B trained away from zero"
 
 
 def test_the_leader_serves_the_weights_the_group_trained(runs):

@@ -318,13 +318,26 @@ class RolloutService(_SetUpError):
     would have to stay pinned for that (Ray says so on the console)."""
 
     def __init__(
-        self, wc: WorkerConfig, storage: Any, curriculum: str, hub: str, *, transfer: Any = None
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        curriculum: str,
+        hub: str,
+        *,
+        transfer: Any = None,
+        initial_model: Any = None,
     ):
         self._connected = False
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub, transfer))
+        self._set_up(lambda: self._build(wc, storage, curriculum, hub, transfer, initial_model))
 
     def _build(
-        self, wc: WorkerConfig, storage: Any, curriculum_name: str, hub_name: str, transfer: Any
+        self,
+        wc: WorkerConfig,
+        storage: Any,
+        curriculum_name: str,
+        hub_name: str,
+        transfer: Any,
+        initial_model: Any,
     ) -> None:
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
@@ -358,6 +371,7 @@ class RolloutService(_SetUpError):
             weight_client=None,  # connected in run(), once the trainer's server is up
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+            model=initial_model,  # (colocated: the trainer's weights, handed over)
         )
         self.worker.warm_up()  # compiles while the trainer sets up
         if ray.get_runtime_context().was_current_actor_reconstructed:

@@ -119,7 +119,16 @@ class ColocatedService(TrainerService):
     ):
         transfer = LocalTransfer()
         super().__init__(wc, storage, curriculum, hub, transfer=transfer)
-        self.rollout = RolloutService(rollout_wc, storage, curriculum, hub, transfer=transfer)
+        # The sampler starts from the trainer's first published weights (handed over, as every
+        # later publish is): reading the checkpoint a second time would hold a second copy of
+        # the model, and levanter's load peaks at several times the model's bytes.
+        initial = None
+        if self._setup_error is None:
+            self.trainer.publish()
+            initial = transfer.server().latest()[0]
+        self.rollout = RolloutService(
+            rollout_wc, storage, curriculum, hub, transfer=transfer, initial_model=initial
+        )
         if self._setup_error is None:
             self._setup_error = self.rollout._setup_error
 

@@ -294,12 +294,15 @@ class Trainer:
         serves = self.weight_server is not None or not self.group.leads  # followers gather
         if self._published_step != self.step and serves:
             from marin_rl_core.learner.group import gathered_for_serving
-            from marin_rl_core.models.build import publish_copy
+            from marin_rl_core.models.build import cast_floating, publish_copy
 
             self._enter("publishing weights")
             self.group.send(PUBLISH, self.step)  # a group gathers the weights on its leader
             dtype = self.config.model.resolved_inference_dtype  # the engines': half for bf16
-            weights = gathered_for_serving(publish_copy(self._served(), dtype))
+            # (a LoRA merge is in new buffers already: cast, not copied again)
+            merge = self.lora and self.config.resources.colocate is True
+            weights = (cast_floating if merge else publish_copy)(self._served(), dtype)
+            weights = gathered_for_serving(weights)
             if self.weight_server is not None:
                 self.weight_server.publish(weights, weight_step=self.step)
             self._published_step = self.step

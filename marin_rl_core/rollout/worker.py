@@ -64,6 +64,8 @@ class RolloutWorker:
         weight_client: pulls weights from the trainer; ``None`` keeps the initial weights.
         curriculum: the shared curriculum (a local policy or a proxy to the job's actor).
         log: ``log(metrics, step=..., source=...)``.
+        model: the initial weights (in the inference dtype); ``None`` reads them from the
+            run's model (a colocated sampler is handed the trainer's).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class RolloutWorker:
         weight_client: WeightTransferClient | None,
         curriculum: CurriculumPolicy,
         log: Callable[..., Any] | None = None,
+        model: Any = None,
     ):
         import jax
 
@@ -93,9 +96,11 @@ class RolloutWorker:
         self._stop = threading.Event()
         tokenizer = model_tokenizer(config.model)
         # Read straight into the sampler's dtype: no float32 copy of a bfloat16 sampler's
-        # weights (2.4 GB for a 0.6B model) is ever held.
+        # weights (2.4 GB for a 0.6B model) is ever held. A colocated sampler is handed the
+        # trainer's (``model``) and reads nothing.
         dtype = config.model.resolved_inference_dtype
-        model = initial_model(config, tokenizer, dtype=dtype)
+        if model is None:
+            model = initial_model(config, tokenizer, dtype=dtype)
         self.adapted: AdaptedBase | None = None
         """A LoRA job apart from its trainer: the base, that each adapters received merge into
         (a colocated sampler receives the merged policy)."""
