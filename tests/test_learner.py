@@ -120,10 +120,10 @@ def test_a_resumed_trainer_reads_its_checkpoint_with_no_other_state_alive(tmp_pa
     alive_when_read = []
     restore = Learner.restore
 
-    def watched(self, checkpoint, like):
+    def watched(self, checkpoint, like, **kwargs):
         gc.collect()
         alive_when_read.append(sum(a.nbytes for a in jax.live_arrays()))
-        return restore(self, checkpoint, like)
+        return restore(self, checkpoint, like, **kwargs)
 
     monkeypatch.setattr(Learner, "restore", watched)
     resumed = Trainer(config, registry, run_dir=tmp_path, storage=None)
