@@ -20,6 +20,14 @@ Each rollout worker: the policy in ``model.inference_dtype`` (twice for a LoRA j
 trainer: the base it keeps and the merged copy it samples), and the KV cache of a batch (every
 slot a full sequence). Each process adds :data:`PROCESS_BYTES` (the runtime and XLA's own).
 
+On CPU, XLA multiplies bfloat16 weights in float32: a train step holds a float32 copy of the
+weights it multiplies (``float32 matmuls``: 4 bytes a parameter, measured on Qwen3-1.7B's shape
+with 2 and 4 layers: 0.19 GiB more temporaries a layer of 50 M parameters, XLA's
+``memory_analysis``) and the LM head transposed in float32 (``head copy``: 1.94 GiB of
+temporaries at 151,936 x 2048 in a float32 step, whatever the layer count). A colocated
+process holds the trainer's and the sampler's parts, but their temporaries (:data:`TEMPORARY`)
+one phase at a time: a train step's or a decode round's, the larger.
+
 Where it runs: on a local job, the sum over the machine's processes against the host memory
 available now (CPU), or per GPU against ``nvidia-smi``'s total (one process a GPU). On a
 cluster (``ray_address``) nothing is checked. ``resources.check_memory = false`` turns the check
@@ -61,6 +69,13 @@ class ModelCounts:
     vocab: int
 
 
+TEMPORARY = frozenset(
+    {"activations", "logits", "float32 matmuls", "head copy", "decode copy", "kv cache"}
+)
+"""Parts held only while a train step or a decode round runs: in a colocated process, where the
+two take turns, only the larger of the two phases' counts at once."""
+
+
 @attrs.frozen
 class Estimate:
     """Bytes per device of the trainer and of each rollout worker, by part."""
@@ -78,10 +93,21 @@ class Estimate:
     def rollout_bytes(self) -> int:
         return sum(self.rollout.values())
 
+    def colocated_bytes(self) -> int:
+        """The trainer and the sampler in one process: what both hold, and the larger of a train
+        step's and a decode round's temporaries (they take turns)."""
+
+        def split(parts: dict[str, int]) -> tuple[int, int]:
+            temporary = sum(v for k, v in parts.items() if k in TEMPORARY)
+            return sum(parts.values()) - temporary, temporary
+
+        (trainer, step), (rollout, decode) = split(self.trainer), split(self.rollout)
+        return trainer + rollout + max(step, decode)
+
     def machine_bytes(self) -> int:
         """What a local job's processes hold together on one host."""
         if self.colocated:
-            return self.trainer_bytes + self.rollout_bytes
+            return self.colocated_bytes()
         return self.trainer_bytes + self.rollout_workers * self.rollout_bytes
 
     def describe(self) -> str:
@@ -165,11 +191,18 @@ def _levanter_config(config: RLJobConfig) -> tuple[object, int]:
 
 
 def estimate(
-    config: RLJobConfig, counts: ModelCounts, trainer_devices: int = 1, limit: int | None = None
+    config: RLJobConfig,
+    counts: ModelCounts,
+    trainer_devices: int = 1,
+    limit: int | None = None,
+    *,
+    cpu: bool = False,
 ) -> Estimate:
     """The bytes per device of ``config``'s trainer (over ``trainer_devices``) and of each
     rollout worker (see the module docstring); ``limit``: the device's memory, of which the kv
-    engine takes at most ``model.inference_memory_fraction`` of what the weights leave."""
+    engine takes at most ``model.inference_memory_fraction`` of what the weights leave; ``cpu``:
+    the job runs on the host's CPU (XLA's CPU backend multiplies half-precision weights in
+    float32, see the module docstring)."""
     from marin_rl_core.learner.step import mesh_sizes
     from marin_rl_core.models.logprobs import LOGITS_BLOCK_BYTES
 
@@ -198,6 +231,9 @@ def estimate(
         else (n.layers - 1) * layer  # fmt: skip
     trainer["activations"] = kept + layer
     trainer["logits"] = min(2 * LOGITS_BLOCK_BYTES, 2 * rows * seq * n.vocab * 4)
+    if cpu:  # measured: see the module docstring
+        trainer["float32 matmuls"] = 4 * n.total // shards if c < 4 else 0
+        trainer["head copy"] = 4 * n.vocab * n.hidden // shards
     trainer["process"] = PROCESS_BYTES
     i = _dtype_bytes(config.model.resolved_inference_dtype)
     tp = config.model.inference_tensor_parallel
@@ -279,8 +315,8 @@ def check_memory(config: RLJobConfig, registry: object) -> str:
     counts = model_counts(config, registry)
     gpus = devices if where.startswith("each GPU") else 0
     trainer_devices = max(1, int(config.resources.trainer.num_gpus or 0)) if gpus else 1
-    guess = estimate(config, counts, trainer_devices, limit)
-    need = (guess.trainer_bytes + guess.rollout_bytes) if gpus and guess.colocated else (
+    guess = estimate(config, counts, trainer_devices, limit, cpu=not gpus)
+    need = guess.colocated_bytes() if gpus and guess.colocated else (
         max(guess.trainer_bytes, guess.rollout_bytes) if gpus else guess.machine_bytes()
     )  # fmt: skip
     line = f"memory: the job needs about {need / GIB:.1f} GiB of {where} ({guess.describe()})"
@@ -299,9 +335,9 @@ def _what_would_fit(
     """Settings that would bring the estimate under ``limit``, each with its estimate."""
 
     def need(c: RLJobConfig, n: ModelCounts) -> int:
-        g = estimate(c, n, devices, limit)
+        g = estimate(c, n, devices, limit, cpu=not gpus)
         if gpus:
-            return g.trainer_bytes + g.rollout_bytes if g.colocated else g.trainer_bytes
+            return g.colocated_bytes() if g.colocated else g.trainer_bytes
         return g.machine_bytes()
 
     ideas: list[str] = []
