@@ -62,6 +62,34 @@ def test_flags_override_files_and_set_overrides_flags(tmp_path):
     assert config.trainer.learning_rate == 1e-4
 
 
+def test_another_plugin_selected_over_a_saved_section_keeps_what_applies_and_says_what_not(
+    tmp_path,
+):
+    """``--resume RUN --loss ppo`` on a grpo run: the saved ``[loss]`` holds grpo's settings;
+    those ppo also has carry over (``kl_coef``), the others are dropped with a note (they were
+    "unknown key" errors)."""
+    registry = build_registry()
+    saved = dump_config(
+        resolve_config(
+            registry, selections={"env": "mock", "loss": "grpo"}, overrides=["loss.kl_coef=0.07"]
+        ),
+        registry,
+    )
+    path = write(tmp_path, saved)
+    notes: list[str] = []
+    config = resolve_config(
+        registry, files=[path], selections={"loss": "ppo"}, overrides=[], notes=notes
+    )
+    assert config.loss.name == "ppo" and config.loss.config.kl_coef == 0.07
+    grpo_only = {f.name for f in attrs.fields(type(registry.get("loss", "grpo").config_class()))}
+    grpo_only -= {f.name for f in attrs.fields(type(config.loss.config))}
+    assert grpo_only and all(key in notes[0] for key in grpo_only), notes
+    assert "--loss ppo replaces grpo" in notes[0]
+    # The same plugin selected again changes nothing.
+    again = resolve_config(registry, files=[path], selections={"loss": "grpo"}, notes=notes)
+    assert again.loss.config.kl_coef == 0.07 and len(notes) == 1
+
+
 def test_typo_in_a_plugin_section_names_the_path_and_suggests_the_key(cli, tmp_path):
     result = cli("config", "validate", write(tmp_path, "[loss]\nkl_coeff = 0.05\n"))
     assert result.exit_code == ExitCode.CONFIG == 3

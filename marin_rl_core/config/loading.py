@@ -175,7 +175,7 @@ def resolve_config(
             section = merged.setdefault(kind, {})
             if not isinstance(section, dict):
                 raise ConfigError(f"$.{kind}: expected a table, got {type(section).__name__}")
-            section["name"] = name
+            _switch_plugin(section, kind, name, registry, notes)
     parsed = [(text, *parse_override(text)) for text in overrides]
     converter = make_converter(registry)
     # `--set curriculum.lessons[I]...` with no lessons in the config: the lessons the job would
@@ -240,6 +240,30 @@ def _indexes_lessons(path: Sequence[str | int]) -> bool:
 def _lessons_of(data: Mapping[str, Any]) -> Any:
     curriculum = data.get("curriculum")
     return curriculum.get("lessons") if isinstance(curriculum, Mapping) else None
+
+
+def _switch_plugin(
+    section: dict[str, Any], kind: str, name: str, registry: Registry, notes: list[str] | None
+) -> None:
+    """Select plugin ``name`` in a ``[kind]`` table (``--loss ppo``). A table written for
+    another plugin (a resumed run's ``[loss]`` of ``grpo``) keeps the settings the new plugin
+    also has (``kl_coef``) and drops the others, saying which: they mean nothing to it."""
+    before = section.get("name")
+    section["name"] = name
+    if before in (None, name) or kind not in RECORD_TYPES:
+        return
+    try:
+        fields = {f.name for f in attrs.fields(registry.get(kind, name).config_class)}
+    except Exception:  # noqa: BLE001 - an unknown name is reported where it is structured
+        return
+    dropped = sorted(k for k in section if k != "name" and k not in fields)
+    for key in dropped:
+        del section[key]
+    if dropped and notes is not None:
+        notes.append(
+            f"--{kind} {name} replaces {before}: its settings {', '.join(dropped)} do not apply "
+            f"to {name} and are dropped"
+        )
 
 
 def _structure(merged: dict[str, Any], registry: Registry, converter: Any) -> RLJobConfig:
