@@ -388,6 +388,12 @@ def job(args: argparse.Namespace) -> None:
             f"  step {r['step']}: loss {r['loss']:.4f}, {r['step_seconds']:.1f} s training, "
             f"{r.get('wait_seconds', 0):.1f} s waiting for rollouts"
         )
+    if len(train) > 1:
+        span = train[-1]["time"] - train[0]["time"]
+        print(f"steps/s                  {(len(train) - 1) / span:.4f}")
+    device = [r["device_peak_memory_gib"] for r in rows if "device_peak_memory_gib" in r]
+    if device:  # accelerators: a colocated process's row covers sampling too
+        print(f"peak device memory       {max(device):.2f} GiB")
     export = run_dir / "export"
     code, seconds, _ = run_measured(
         [sys.executable, "-m", "marin_rl_core", "export", str(run_dir / "qwen3"), str(export)]
