@@ -292,15 +292,14 @@ def restore_policy_only(
     a note for the user saying so. ``adapters_only``: the checkpoint holds a LoRA policy's
     adapters alone (:mod:`~marin_rl_core.learner.lora_checkpoint`); ``like`` has the base."""
     import jax
-    from levanter.trainer_state import make_floating_point_trainable_filter
 
     from marin_rl_core.learner.loss import TrainedModel, policy_of, with_loss_state
-    from marin_rl_core.models.lora import trainable_filter
+    from marin_rl_core.models.lora import saved_part, trainable_filter
 
     policy_like = policy_of(like.model)
     only = None  # an adapters-only checkpoint (a LoRA run): the base stays as it is
     if adapters_only:
-        only = make_floating_point_trainable_filter(trainable_filter(policy_like))
+        only = saved_part(policy_like, trainable_filter(policy_like))
     policy = learner.restore(
         path, policy_like, subpath="model/policy" if has_loss_state(path) else "model", only=only
     )

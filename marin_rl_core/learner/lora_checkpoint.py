@@ -116,16 +116,6 @@ def check_base(checkpoint: str | Path, config: Any) -> None:
         raise ConfigError(problem)
 
 
-def saved_part(state: Any, is_trainable: Any) -> Any:
-    """levanter's mask of what a checkpoint of ``state`` (a ``TrainerState``, or a model when
-    ``is_trainable`` is its own filter) holds: everything but the frozen base."""
-    from levanter.trainer_state import make_floating_point_trainable_filter, saveable_training_mask
-
-    if hasattr(state, "opt_state"):
-        return saveable_training_mask(state, is_trainable)
-    return make_floating_point_trainable_filter(is_trainable)
-
-
 def trained_policy(
     checkpoint: str | Path, config: Any, tokenizer: Any, *, like: Any = None, merge: bool = True
 ) -> Any:
@@ -138,7 +128,7 @@ def trained_policy(
         ConfigError: the base changed (:func:`base_problem`).
     """
     from marin_rl_core.learner.checkpoint import load_model
-    from marin_rl_core.models.lora import merged, trainable_filter, trained_policy_like
+    from marin_rl_core.models.lora import merged, saved_part, trainable_filter, trained_policy_like
 
     check_base(checkpoint, config)
     if like is None:
@@ -156,6 +146,5 @@ __all__ = [
     "base_problem",
     "check_base",
     "saved_base",
-    "saved_part",
     "trained_policy",
 ]

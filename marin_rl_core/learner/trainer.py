@@ -43,7 +43,7 @@ from marin_rl_core.learner.checkpoint import (
     save_checkpoint,
 )
 from marin_rl_core.learner.group import CHECKPOINT, PUBLISH, STEP, STOP, GroupChannel
-from marin_rl_core.learner.lora_checkpoint import BASE_KEY, base_identity, saved_base, saved_part
+from marin_rl_core.learner.lora_checkpoint import BASE_KEY, base_identity, saved_base
 from marin_rl_core.learner.loss import (
     TrainedModel,
     non_finite_advice,
@@ -55,7 +55,7 @@ from marin_rl_core.learner.setup import describe_figures, parameter_figures, set
 from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import device_memory, drop_rows_after
-from marin_rl_core.models.lora import adapters_of, merged
+from marin_rl_core.models.lora import adapters_of, merged, saved_part
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry

@@ -119,6 +119,16 @@ def trainable_filter(model: Any) -> Any:
     return lora_trainable_params_filter(model)
 
 
+def saved_part(tree: Any, is_trainable: Any) -> Any:
+    """levanter's mask of what a LoRA run's checkpoint of ``tree`` (a ``TrainerState``, or a
+    model when ``is_trainable`` is its own filter) holds: everything but the frozen base."""
+    from levanter.trainer_state import make_floating_point_trainable_filter, saveable_training_mask
+
+    if hasattr(tree, "opt_state"):
+        return saveable_training_mask(tree, is_trainable)
+    return make_floating_point_trainable_filter(is_trainable)
+
+
 def merged(model: Any) -> Any:
     """``model`` with every adapter added into its layer's weight (``W + scale * B A``, in
     ``W``'s dtype and axis order) and the adapters gone: a plain model of the base's structure,
