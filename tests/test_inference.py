@@ -333,6 +333,39 @@ def test_long_prompts_with_several_samples_each_match_the_trainer(kind, models, 
         np.testing.assert_allclose(sample.logprobs, expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_lora_policy_is_sampled_unmerged_as_the_trainer_computes_it(kind, models, tok):
+    """A colocated LoRA job's sampler is handed the policy with its adapters apart (on the
+    trainer's own base, no merged copy): every engine applies them, and its logprobs are the
+    trainer's for that policy, which differ from the base's; greedy decoding picks what the
+    merged policy picks."""
+    from marin_rl_core.config.schema import LoraConfig
+    from marin_rl_core.models.lora import add_adapters, merged, without_dropout
+
+    lora = LoraConfig(rank=4, dropout=0.1)  # dropout: off while sampling
+    policy = add_adapters(models[0], lora, key=jax.random.PRNGKey(5))
+    policy = jax.tree.map(
+        lambda x: x + 0.3 if eqx.is_array(x) and x.shape and x.shape[-1] == 4 else x, policy
+    )  # a trained lora_B: every adapter moves the policy (lora_B is [..., out, 4])
+    policy = without_dropout(policy)  # as the trainer hands it over (sampled_in_place)
+    engine = make_engine(kind, policy, max_seq_len=MAX_SEQ_LEN, eos_id=tok.eos_id, max_seqs=8)
+    prompts = prompts_of(tok, 3)
+    samples = [s for g in sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=6,
+                                         seed=4) for s in g]  # fmt: skip
+    args = ([p for p in prompts for _ in range(2)], [s.tokens for s in samples])
+    ours = response_logprobs(policy, *args, max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id)
+    base = response_logprobs(models[0], *args, max_seq_len=MAX_SEQ_LEN, pad_id=tok.pad_id)
+    for sample, expected in zip(samples, ours, strict=True):
+        np.testing.assert_allclose(sample.logprobs, expected, atol=1e-4)
+    assert max(np.abs(a - b).max() for a, b in zip(ours, base, strict=True)) > 1e-2
+    greedy = sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=6, seed=0)
+    for prompt, (sample,) in zip(prompts, greedy, strict=True):
+        assert (
+            list(sample.tokens)
+            == greedy_reference(merged(policy), prompt, 6, {tok.eos_id})[: sample.tokens.size]
+        )
+
+
 # --- the kv engine's own machinery: slots, rounds, per-request settings, its memory budget ------
 
 

@@ -26,6 +26,7 @@ from marin_rl_core.models.lora import (
     adapter_parameter_count,
     has_adapters,
     parameter_count,
+    sampled_in_place,
     without_adapters,
 )
 from marin_rl_core.testing import write_tiny_hf_checkpoint
@@ -113,6 +114,14 @@ def test_only_the_adapters_train_and_hold_optimizer_state(tmp_path):
 
     for got, want in zip(arrays(without_adapters(trainer.model)), base_before, strict=True):
         np.testing.assert_array_equal(got, want)
+    # A colocated sampler is handed the policy on the trainer's very base arrays, which no
+    # later step frees or replaces (the step does not donate them): no copy of the base.
+    handed = sampled_in_place(trainer.model, config.model.resolved_inference_dtype)
+    trainer.state, _, _ = trainer.learner.step(trainer.state, batch)
+    base_of = lambda m: jax.tree.leaves(eqx.filter(without_adapters(m), eqx.is_array))  # noqa: E731
+    for handed_x, trainer_x in zip(base_of(handed), base_of(trainer.model), strict=True):
+        assert handed_x is trainer_x and not handed_x.is_deleted()
+    assert not has_adapters(trainer.merged_model) and has_adapters(handed)
     lora_b = trainer.model.transformer.layers.stacked.self_attn.q_proj.lora.lora_B.weight
     assert np.abs(np.asarray(lora_b.array)).max() > 0, "the adapters did not train"
     # A sampler apart receives the adapters alone and merges them into the base it loaded:

@@ -38,8 +38,10 @@ class LoraConfig:
     ppo's critic): the base weights stay frozen, in the compute precision, with no gradients
     or optimizer state of their own. Each adapted layer ``W`` computes ``W x + (alpha / rank)
     B A x`` with ``A`` random and ``B`` zero at the start (PEFT's init), so step 0's policy is
-    the base model. Rollout workers sample from the base with the adapters merged in; a loss's
-    KL reference is the base model with the adapters switched off (no copy).
+    the base model. Rollout workers apart from the trainer sample from the base with the
+    adapters merged in, a colocated one from the trainer's own base with the adapters applied
+    (no copy); a loss's KL reference is the base model with the adapters switched off (no
+    copy).
 
     Args:
         rank: the adapters' rank ``r``; 0 (the default): no adapters, full fine-tuning.

@@ -17,16 +17,27 @@ tensor parallel; ``p``/``c`` bytes of the parameter/compute dtype):
   :data:`~marin_rl_core.models.logprobs.LOGITS_BLOCK_BYTES`).
 
 Each rollout worker: the policy in ``model.inference_dtype`` (twice for a LoRA job apart from its
-trainer: the base it keeps and the merged copy it samples), and the KV cache of a batch (every
-slot a full sequence). Each process adds :data:`PROCESS_BYTES` (the runtime and XLA's own).
+trainer: the base it keeps and the merged copy it samples; for a colocated LoRA job only the
+adapters: its sampler samples from the trainer's base), the kv engine's copy of the decoder
+layers for a decode round, and the KV cache of a batch (every slot a full sequence). Each
+process adds :data:`PROCESS_BYTES` (the runtime and XLA's own).
 
 On CPU, XLA multiplies bfloat16 weights in float32: a train step holds a float32 copy of the
 weights it multiplies (``float32 matmuls``: 4 bytes a parameter, measured on Qwen3-1.7B's shape
 with 2 and 4 layers: 0.19 GiB more temporaries a layer of 50 M parameters, XLA's
 ``memory_analysis``) and the LM head transposed in float32 (``head copy``: 1.94 GiB of
-temporaries at 151,936 x 2048 in a float32 step, whatever the layer count). A colocated
+temporaries at 151,936 x 2048 in a float32 step, whatever the layer count). The kv engine's
+decode round likewise holds its copy of the decoder layers in float32 and the LM head's
+(``decode copy``: 0.19 GiB of temporaries a layer and 1.16 GiB for the head, measured the same
+way on the same shape: 4 bytes a parameter, where an accelerator copies them in their own
+dtype). A colocated
 process holds the trainer's and the sampler's parts, but their temporaries (:data:`TEMPORARY`)
-one phase at a time: a train step's or a decode round's, the larger.
+one phase at a time on an accelerator: a train step's or a decode round's, the larger. On CPU it
+holds both: the memory a phase's temporaries took stays with the process after it (resident
+memory stays at a train step's peak after the step), and the trainer's thread and the sampler's
+each keep their own (measured on Qwen3-1.7B's shape with LoRA, colocated: one thread running
+both phases in turn peaked at the resident parts plus the larger phase, 16.3 GiB; the job, a
+thread each, at the resident parts plus both, 20.0 GiB).
 
 Where it runs: on a local job, the sum over the machine's processes against the host memory
 available now (CPU), or per GPU against ``nvidia-smi``'s total (one process a GPU). On a
@@ -35,6 +46,8 @@ off.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 
@@ -84,6 +97,7 @@ class Estimate:
     rollout: dict[str, int]
     colocated: bool
     rollout_workers: int
+    cpu: bool = False
 
     @property
     def trainer_bytes(self) -> int:
@@ -95,7 +109,10 @@ class Estimate:
 
     def colocated_bytes(self) -> int:
         """The trainer and the sampler in one process: what both hold, and the larger of a train
-        step's and a decode round's temporaries (they take turns)."""
+        step's and a decode round's temporaries (they take turns); on CPU both (see the module
+        docstring)."""
+        if self.cpu:
+            return self.trainer_bytes + self.rollout_bytes
 
         def split(parts: dict[str, int]) -> tuple[int, int]:
             temporary = sum(v for k, v in parts.items() if k in TEMPORARY)
@@ -243,10 +260,17 @@ def estimate(
         for lesson in config.curriculum.lessons
     ) if config.curriculum.lessons else 1  # fmt: skip
     weights = n.total * i // tp
-    # The kv engine: a copy of the decoder layers for a decode round, and as many sequences'
-    # caches (and a step's float32 logits) as the batch has, within its share of the memory.
+    if lora and colocated:  # the trainer's base, unmerged: only the adapters are copied
+        adapters = n.trainable - n.loss_state
+        weights = (adapters * i + (n.frozen * i if i != c else 0)) // tp
+    # The kv engine: a copy of the decoder layers for a decode round (on CPU: in float32, and
+    # the LM head's too), and as many sequences' caches (and a step's float32 logits) as the
+    # batch has, within its share of the memory.
     q, kv = n.heads * n.head_dim, n.kv_heads * n.head_dim
     layers = n.layers * (2 * n.hidden * q + 2 * n.hidden * kv + 3 * n.hidden * n.intermediate)
+    copy = layers * i
+    if cpu and i < 4:  # measured: see the module docstring
+        copy = layers * 4 + 4 * n.vocab * n.hidden
     per_slot = 2 * n.layers * seq * kv * i + seq * 8 + 8 * n.vocab
     cache = slots * per_slot
     if limit is not None:
@@ -254,7 +278,7 @@ def estimate(
     rollout = {
         "weights": weights,
         "lora base": weights if lora and not colocated else 0,
-        "decode copy": layers * i // tp,
+        "decode copy": copy // tp,
         "kv cache": cache // tp,
         "process": 0 if colocated else PROCESS_BYTES,
     }
@@ -263,6 +287,7 @@ def estimate(
         rollout=rollout,
         colocated=colocated,
         rollout_workers=config.num_rollout_workers,
+        cpu=cpu,
     )
 
 
@@ -378,6 +403,20 @@ def _what_would_fit(
             f"fewer sequences sampled at once (the KV cache), --set sampling.n_prompts="
             f"{prompts // 4 or 1}: about {need(fewer, counts) / GIB:.1f} GiB"
         )
+    rollout = estimate(config, counts, devices, limit, cpu=not gpus).rollout
+    over, cache = current - limit, rollout["kv cache"]
+    if 0 < over < cache:  # the kv engine decodes fewer sequences at once in a smaller budget
+        # (its budget: the fraction of what the weights leave, see estimate())
+        fraction = math.floor(100 * 0.9 * (cache - over) / max(limit - rollout["weights"], 1)) / 100
+        smaller = attrs.evolve(
+            config, model=attrs.evolve(config.model, inference_memory_fraction=fraction)
+        )
+        if fraction >= 0.01 and need(smaller, counts) <= limit:
+            ideas.append(
+                f"a smaller KV cache (fewer sequences decoded at once), --set "
+                f"model.inference_memory_fraction={fraction}: about "
+                f"{need(smaller, counts) / GIB:.1f} GiB"
+            )
     if config.resources.colocate is not True and not gpus and config.num_rollout_workers == 1:
         one = attrs.evolve(config, resources=attrs.evolve(config.resources, colocate=True))
         ideas.append(

@@ -6,6 +6,7 @@ weights of a batch scaled for gradient accumulation over micro-batches, and the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,28 +20,61 @@ class StepJit:
     task (a quarter of the step on CPU). It needs none of that here: the step already constrains
     its result to the parameter sharding (``hax.shard_with_axis_mapping`` at its end) and its
     inputs arrive sharded, so XLA keeps the same layouts without being told. The state is
-    donated, as levanter's ``donate_args=(True,)`` does. ``tests/test_sharding.py`` checks the
-    result and the parameters' sharding on four devices against one."""
+    donated, as levanter's ``donate_args=(True,)`` does, except its frozen parameters (a LoRA
+    policy's base, once :func:`train_only` has set :attr:`is_trainable`): those enter the step
+    as an argument it does not donate and do not come out of it, so the arrays stay the same
+    from step to step and a colocated sampler samples from them while the state moves on (no
+    copy of the base is made). ``tests/test_sharding.py`` checks the result and the parameters'
+    sharding on four devices against one."""
 
     def __init__(self, step: Callable[..., Any], axis_mapping: Any, microbatch_rows: int | None):
         import equinox as eqx
         import haliax as hax
 
-        def body(inputs: tuple[Any, Any], state: Any) -> Any:
-            batch, kwargs = inputs
-            batch = tuple(_for_accumulation(b, microbatch_rows) for b in batch)
-            with hax.axis_mapping(axis_mapping):
-                return step(state, batch, kwargs)
+        self.is_trainable: Any = True
+        """levanter's filter of the trained parameters; the state's other parameters (frozen)
+        are neither donated nor returned."""
 
-        # Donate every argument but the first: the state, not the batch.
+        def body(inputs: tuple[Any, Any, Any], state: Any) -> Any:
+            batch, kwargs, frozen = inputs
+            batch = tuple(_for_accumulation(b, microbatch_rows) for b in batch)
+            if frozen is None:
+                with hax.axis_mapping(axis_mapping):
+                    return step(state, batch, kwargs)
+            with hax.axis_mapping(axis_mapping):
+                result = step(eqx.combine(state, frozen), batch, kwargs)
+            kept = eqx.filter(result.new_state, self._mask(result.new_state))
+            return dataclasses.replace(result, new_state=kept)
+
+        # Donate every argument but the first: the state, not the batch nor the frozen part.
         self._jit = eqx.filter_jit(body, donate="all-except-first")
 
+    def _mask(self, state: Any) -> Any:
+        from marin_rl_core.models.lora import saved_part
+
+        return saved_part(state, self.is_trainable)
+
+    def _split(self, state: Any) -> tuple[Any, Any]:
+        """``(trained, frozen)`` parts of ``state`` (the frozen one ``None`` when all train)."""
+        import equinox as eqx
+
+        if self.is_trainable is True:
+            return state, None
+        return eqx.partition(state, self._mask(state))
+
     def __call__(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
-        return self._jit((batch, batch_kwargs), state)
+        import equinox as eqx
+
+        trained, frozen = self._split(state)
+        result = self._jit((batch, batch_kwargs, frozen), trained)
+        if frozen is None:
+            return result
+        return dataclasses.replace(result, new_state=eqx.combine(result.new_state, frozen))
 
     def lower(self, state: Any, batch: Any, batch_kwargs: Any) -> Any:
         """JAX's ``Lowered`` step (``.compile().memory_analysis()``, ``.as_text()``)."""
-        return self._jit.lower((batch, batch_kwargs), state).lowered
+        trained, frozen = self._split(state)
+        return self._jit.lower((batch, batch_kwargs, frozen), trained).lowered
 
 
 def _for_accumulation(batch: Any, microbatch_rows: int | None) -> Any:
@@ -86,7 +120,8 @@ def train_only(trainer: Any, is_trainable: Any) -> None:
     the frozen parameters' part afterwards: for a LoRA policy that is a gradient the size of the
     base model computed, accumulated over micro-batches and counted in the gradient norm, for
     nothing. Here the frozen parameters enter the loss as constants of the differentiated
-    function; their gradients are never formed."""
+    function; their gradients are never formed. Nor does the step donate them
+    (:class:`StepJit`)."""
     import equinox as eqx
 
     compute = trainer._compute_gradients_microbatched
@@ -100,6 +135,8 @@ def train_only(trainer: Any, is_trainable: Any) -> None:
         return compute(loss_of, trainable, *batch, **kwargs)
 
     trainer._compute_gradients_microbatched = compute_trainable
+    for name in ("_jit_train_step_fn", "_jit_train_step_fn_no_hook"):
+        trainer.__dict__[name].is_trainable = is_trainable
 
 
 class CaptureTracker:

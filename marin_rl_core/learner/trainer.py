@@ -55,7 +55,7 @@ from marin_rl_core.learner.setup import describe_figures, parameter_figures, set
 from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
 from marin_rl_core.metrics import device_memory, drop_rows_after
-from marin_rl_core.models.lora import adapters_of, merged, saved_part
+from marin_rl_core.models.lora import adapters_of, merged, sampled_in_place, saved_part
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.protocols import RolloutReader, RolloutStorage, WeightTransferServer
 from marin_rl_core.registry import Registry
@@ -260,23 +260,21 @@ class Trainer:
     @property
     def model(self) -> Any:
         """The current policy (parameters in the precision policy's parameter dtype); a LoRA
-        policy with its adapters (:attr:`merged_model` is what samplers get)."""
+        policy with its adapters (:attr:`merged_model`: with them merged in)."""
         return policy_of(self.state.model)
 
     def _served(self) -> Any:
         """What :meth:`publish` sends: the policy; a LoRA policy's adapters alone to samplers
-        apart (each merges them into the base it holds: a few percent of the bytes), merged
-        into it for a colocated sampler (which holds no base of its own)."""
-        if not self.lora:
-            return self.model
-        if self.config.resources.colocate is True:
-            return self.merged_model
-        return adapters_of(self.model)
+        apart (each merges them into the base it holds: a few percent of the bytes), the policy
+        unmerged to a colocated sampler (which samples from the trainer's own base)."""
+        if self.lora and self.config.resources.colocate is not True:
+            return adapters_of(self.model)
+        return self.model
 
     @property
     def merged_model(self) -> Any:
         """The current policy as a plain model (a LoRA policy's adapters merged in: new
-        buffers), what samplers get."""
+        buffers)."""
         with self.learner._context():
             return merged(self.model)
 
@@ -294,14 +292,15 @@ class Trainer:
         serves = self.weight_server is not None or not self.group.leads  # followers gather
         if self._published_step != self.step and serves:
             from marin_rl_core.learner.group import gathered_for_serving
-            from marin_rl_core.models.build import cast_floating, publish_copy
+            from marin_rl_core.models.build import publish_copy
 
             self._enter("publishing weights")
             self.group.send(PUBLISH, self.step)  # a group gathers the weights on its leader
             dtype = self.config.model.resolved_inference_dtype  # the engines': half for bf16
-            # (a LoRA merge is in new buffers already: cast, not copied again)
-            merge = self.lora and self.config.resources.colocate is True
-            weights = (cast_floating if merge else publish_copy)(self._served(), dtype)
+            if self.lora and self.config.resources.colocate is True:
+                weights = sampled_in_place(self.model, dtype)  # the base is not copied
+            else:
+                weights = publish_copy(self._served(), dtype)
             weights = gathered_for_serving(weights)
             if self.weight_server is not None:
                 self.weight_server.publish(weights, weight_step=self.step)

@@ -12,7 +12,9 @@ What the rest of marinrl uses:
 * :func:`trainable_filter`: levanter's ``is_trainable`` filter tree (the adapters), for the
   trainer state and the train step's gradients.
 * :func:`merged`: the plain model with each adapter added into its layer's weight (what rollout
-  workers sample from and ``marinrl export`` writes).
+  workers apart from the trainer sample from and ``marinrl export`` writes).
+* :func:`sampled_in_place`: what a colocated sampler samples from: the policy unmerged, on the
+  trainer's own base arrays (every engine applies the adapters as the trainer does).
 * :func:`without_adapters`: the base model inside a LoRA model, the same arrays with the
   adapters left out (a loss's KL reference: no copy).
 * :func:`adapters_of` and :class:`AdaptedBase`: what a trainer publishes to samplers apart from
@@ -160,6 +162,42 @@ def without_adapters(model: Any) -> Any:
         model,
         is_leaf=_is_lora_layer,
     )
+
+
+def sampled_in_place(model: Any, dtype: Any) -> Any:
+    """What a colocated sampler is handed of the LoRA policy ``model``: the policy unmerged,
+    with no dropout (:func:`without_dropout`), its adapters copied in ``dtype`` (the next train step
+    donates the trainer's), its base the trainer's very arrays (no train step donates or
+    replaces them: :class:`~marin_rl_core.learner.levanter_step.StepJit`), cast only where
+    ``dtype`` is not theirs. No copy of the base is made, and the sampler computes what the
+    trainer computes (adapters applied, not merged)."""
+    from marin_rl_core.models.build import cast_floating, publish_copy
+
+    adapters, base = eqx.partition(model, trainable_filter(model))
+    return without_dropout(eqx.combine(publish_copy(adapters, dtype), cast_floating(base, dtype)))
+
+
+class NoDropout(eqx.Module):
+    """A sampled adapter's dropout: none, and no leaf (haliax's ``Dropout`` holds its
+    ``inference`` flag as a bool leaf, which the engines' layer loops would try to slice)."""
+
+    @property
+    def is_active(self) -> bool:
+        return False
+
+    def __call__(self, x: Any, *, key: Any = None, inference: Any = None) -> Any:
+        return x
+
+
+def without_dropout(model: Any) -> Any:
+    """``model`` (with adapters) as the engines sample it: every adapter's dropout off."""
+
+    def off(node: Any) -> Any:
+        if isinstance(node, LowRankLinear):
+            return eqx.tree_at(lambda n: n.dropout, node, NoDropout())
+        return node
+
+    return jax.tree.map(off, model, is_leaf=lambda n: isinstance(n, LowRankLinear))
 
 
 def adapters_of(model: Any) -> Any:

@@ -21,6 +21,7 @@ import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
+from levanter.lora import LoraLinear
 from levanter.models.llama import LlamaLMHeadModel
 from levanter.models.lm_model import LmHeadModel
 
@@ -71,8 +72,20 @@ def _axes(spec: Any) -> tuple[Any, ...]:
     return tuple(spec) if isinstance(spec, Sequence) else (spec,)
 
 
+def _out(linear: Any) -> tuple[Any, ...]:
+    """The output axes of a linear layer (a LoRA layer's: its frozen layer's)."""
+    return _axes((linear.wrapped if isinstance(linear, LoraLinear) else linear).Out)
+
+
 def _project(linear: Any, x: jax.Array) -> jax.Array:
-    """``linear(x)`` for ``x [..., in]``: returns ``[..., *out]`` (the module's ``Out`` axes)."""
+    """``linear(x)`` for ``x [..., in]``: returns ``[..., *out]`` (the module's ``Out`` axes).
+    A LoRA layer (levanter's ``LoraLinear``: a colocated LoRA job's sampler) adds its adapter's
+    ``scale * B (A x)`` to the frozen layer's output, as the trainer computes it."""
+    if isinstance(linear, LoraLinear):
+        low = linear.lora
+        y = _project(linear.wrapped, x)
+        delta = _project(low.lora_B, _project(low.lora_A, x).reshape(*x.shape[:-1], -1))
+        return y + (delta * low.scale).astype(y.dtype)
     out_axes, in_axes = _axes(linear.Out), _axes(linear.In)
     weight = (linear.weight * linear.reparam.active_scale).rearrange((*out_axes, *in_axes)).array
     weight = weight.reshape(math.prod(a.size for a in out_axes), -1)
@@ -92,9 +105,9 @@ def _qkv(layer: Any, x: jax.Array, pos: hax.NamedArray) -> tuple[jax.Array, ...]
     layer, normed and rotated as levanter's ``Attention`` does."""
     attn = layer.self_attn
     h = layer.input_layernorm(_named(x, "embed")).array
-    q = _named(_project(attn.q_proj, h), *(a.name for a in _axes(attn.q_proj.Out)))
-    k = _named(_project(attn.k_proj, h), *(a.name for a in _axes(attn.k_proj.Out)))
-    v = _named(_project(attn.v_proj, h), *(a.name for a in _axes(attn.v_proj.Out)))
+    q = _named(_project(attn.q_proj, h), *(a.name for a in _out(attn.q_proj)))
+    k = _named(_project(attn.k_proj, h), *(a.name for a in _out(attn.k_proj)))
+    v = _named(_project(attn.v_proj, h), *(a.name for a in _out(attn.v_proj)))
     if attn.config.qk_norm is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     if attn.rot_embs is not None:
@@ -161,7 +174,9 @@ def _layers(model: LlamaLMHeadModel) -> list[Any]:
     leaves room for it)."""
     stacked = model.transformer.layers.stacked
     return [
-        hax.tree_util.tree_map(lambda p, i=i: p["layer", i], stacked)
+        hax.tree_util.tree_map(
+            lambda p, i=i: p["layer", i] if isinstance(p, hax.NamedArray) else p, stacked
+        )  # (a LoRA adapter's dropout holds a bool)
         for i in range(model.config.num_layers)
     ]
 

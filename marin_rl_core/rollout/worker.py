@@ -103,7 +103,7 @@ class RolloutWorker:
             model = initial_model(config, tokenizer, dtype=dtype)
         self.adapted: AdaptedBase | None = None
         """A LoRA job apart from its trainer: the base, that each adapters received merge into
-        (a colocated sampler receives the merged policy)."""
+        (a colocated sampler is handed the policy unmerged, on the trainer's own base)."""
         if config.model.lora.enabled and config.resources.colocate is not True:
             key = jax.random.PRNGKey(config.seed + 3)
             self.adapted = AdaptedBase(model, config.model.lora, dtype=dtype, key=key)
