@@ -58,9 +58,22 @@ def test_full_fine_tuning_of_a_1_7b_model_is_stopped_before_it_starts_naming_lor
     assert result.exit_code == ExitCode.CONFIG, result.output
     out = " ".join(result.output.split())
     assert "does not fit" in out and "24.0 GiB" in out
-    assert "--set model.lora.rank=16: about" in out and "optimizer" in out
+    advice = re.search(r"LoRA, ((?:--set \S+ ?)+): about ([\d.]+) GiB", out)
+    assert advice and "model.lora.rank=16" in advice.group(1) and "optimizer" in out, out
     assert "Traceback" not in result.output
     assert not (tmp_path / "runs").exists(), "nothing may be written before the check"
+    # Following the advice, the job fits, at the estimate it said.
+    registry = build_registry()
+    settings = advice.group(1).replace("--set ", "").split()
+    config = resolve_config(
+        registry, selections={"env": "math"},
+        overrides=[f'model.checkpoint="{qwen3_1_7b_config_only}"', "model.max_seq_len=256",
+                   *settings],
+    )  # fmt: skip
+    line = memory.check_memory(config, registry)
+    assert float(re.search(r"needs about ([\d.]+) GiB", line).group(1)) == pytest.approx(
+        float(advice.group(2)), abs=0.2
+    )
 
 
 def test_with_lora_the_same_model_fits_and_its_estimate_is_said(

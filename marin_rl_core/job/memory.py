@@ -373,7 +373,20 @@ def _what_would_fit(
             config.model, lora=attrs.evolve(config.model.lora, rank=rank)))  # fmt: skip
         n = attrs.evolve(counts, trainable=adapters + counts.loss_state,
                          frozen=counts.total)  # fmt: skip
-        ideas.append(f"LoRA, --set model.lora.rank={rank}: about {need(lora, n) / GIB:.1f} GiB")
+        settings = [f"model.lora.rank={rank}"]
+        colocatable = not gpus and config.num_rollout_workers == 1
+        if need(lora, n) > limit and colocatable and config.resources.colocate is not True:
+            lora = attrs.evolve(lora, resources=attrs.evolve(lora.resources, colocate=True))
+            settings.append("resources.colocate=true")  # one copy of the base
+        guess = estimate(lora, n, devices, limit, cpu=not gpus)
+        fraction = _fitting_fraction(need(lora, n) - limit, guess, limit)
+        if fraction is not None:
+            lora = attrs.evolve(
+                lora, model=attrs.evolve(lora.model, inference_memory_fraction=fraction)
+            )
+            settings.append(f"model.inference_memory_fraction={fraction}")
+        flags = " ".join(f"--set {x}" for x in settings)
+        ideas.append(f"LoRA, {flags}: about {need(lora, n) / GIB:.1f} GiB")
     t = config.trainer
     rows = t.microbatch_size or t.batch_size
     if rows > 1:
@@ -403,15 +416,13 @@ def _what_would_fit(
             f"fewer sequences sampled at once (the KV cache), --set sampling.n_prompts="
             f"{prompts // 4 or 1}: about {need(fewer, counts) / GIB:.1f} GiB"
         )
-    rollout = estimate(config, counts, devices, limit, cpu=not gpus).rollout
-    over, cache = current - limit, rollout["kv cache"]
-    if 0 < over < cache:  # the kv engine decodes fewer sequences at once in a smaller budget
-        # (its budget: the fraction of what the weights leave, see estimate())
-        fraction = math.floor(100 * 0.9 * (cache - over) / max(limit - rollout["weights"], 1)) / 100
+    guess = estimate(config, counts, devices, limit, cpu=not gpus)
+    fraction = _fitting_fraction(current - limit, guess, limit)
+    if fraction is not None:
         smaller = attrs.evolve(
             config, model=attrs.evolve(config.model, inference_memory_fraction=fraction)
         )
-        if fraction >= 0.01 and need(smaller, counts) <= limit:
+        if need(smaller, counts) <= limit:
             ideas.append(
                 f"a smaller KV cache (fewer sequences decoded at once), --set "
                 f"model.inference_memory_fraction={fraction}: about "
@@ -426,6 +437,18 @@ def _what_would_fit(
     if config.resources.colocate is True and gpus:
         ideas.append("colocation off (resources.colocate = false): the sampler on another GPU")
     return ideas or [f"nothing this check knows of brings it under {limit / GIB:.1f} GiB"]
+
+
+def _fitting_fraction(over: int, guess: Estimate, limit: int) -> float | None:
+    """The ``model.inference_memory_fraction`` whose KV cache is ``over`` bytes (and a tenth)
+    smaller than ``guess``'s, where the cache is what tips it over; else ``None``. (The kv
+    engine's budget is the fraction of what the weights leave of ``limit``, see
+    :func:`estimate`: it decodes fewer sequences at once.)"""
+    cache, weights = guess.rollout["kv cache"], guess.rollout["weights"]
+    if not 0 < over < cache:
+        return None
+    fraction = math.floor(100 * 0.9 * (cache - over) / max(limit - weights, 1)) / 100
+    return fraction if fraction >= 0.01 else None
 
 
 def _lora_adapters(counts: ModelCounts, rank: int, targets: tuple[str, ...]) -> int:
