@@ -15,6 +15,7 @@ __all__ = [
     "AgentCommand",
     "AgentEndpoint",
     "Problem",
+    "RewardInput",
     "SamplingParams",
     "Score",
     "Step",
@@ -125,6 +126,30 @@ class Score:
 def as_score(value: float | Score) -> Score:
     """What ``Env.score`` returned, as a :class:`Score` (a plain number has no metrics)."""
     return value if isinstance(value, Score) else Score(float(value))
+
+
+@attrs.frozen(kw_only=True)
+class RewardInput:
+    """One finished episode, as a reward function (a ``[[reward.terms]]`` plugin) sees it.
+
+    Args:
+        problem: the problem posed (its prompt, reference answer and info).
+        response: everything after the prompt, decoded: the response of a single-turn episode;
+            the policy's actions and the env's observations between them in a multi-turn one.
+        response_tokens: how many tokens the policy sampled (observations not counted).
+        env_reward: the env's own reward of the episode.
+        truncated: the episode ended on a limit rather than a stop token or ``done``.
+        lesson_id: the lesson it was sampled for.
+        mode: ``"train"`` or ``"eval"``.
+    """
+
+    problem: Problem
+    response: str
+    response_tokens: int
+    env_reward: float
+    truncated: bool = False
+    lesson_id: str = ""
+    mode: str = "train"
 
 
 @attrs.frozen(kw_only=True)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         Env,
         GenerationEngine,
         MultiTurnEnv,
+        RewardFunction,
         RLLossModule,
         RolloutStorage,
         WeightTransfer,
@@ -186,6 +187,17 @@ class EnginePlugin(PluginRecord):
     exact_logprobs: bool = True
 
 
+@attrs.frozen(kw_only=True)
+class RewardPlugin(PluginRecord):
+    """A :class:`~marin_rl_core.protocols.RewardFunction`: a term of a combined reward
+    (``[[reward.terms]]``: its ``fn``). ``build(config) -> RewardFunction``. Called once in
+    each rollout worker (and by ``marinrl eval``)."""
+
+    kind: ClassVar[str] = "reward"
+    protocol_name: ClassVar[str] = "RewardFunction"
+    build: Callable[[Any], RewardFunction]
+
+
 RECORD_TYPES: dict[str, type[PluginRecord]] = {
     cls.kind: cls
     for cls in (
@@ -195,6 +207,7 @@ RECORD_TYPES: dict[str, type[PluginRecord]] = {
         WeightTransferPlugin,
         CurriculumPlugin,
         EnginePlugin,
+        RewardPlugin,
     )
 }
 """Every plugin kind, by its name in configs and on the command line."""
@@ -254,6 +267,15 @@ def marinrl_register_engines() -> Iterable[EnginePlugin]:
     """
 
 
+@hookspec
+def marinrl_register_rewards() -> Iterable[RewardPlugin]:
+    """Yield a :class:`RewardPlugin` for each reward function (a ``[[reward.terms]]`` entry's
+    ``fn``) this plugin provides.
+
+    Called once per registry build; all results are collected.
+    """
+
+
 REGISTRATION_HOOKS: dict[str, str] = {
     "env": "marinrl_register_envs",
     "loss": "marinrl_register_losses",
@@ -261,4 +283,5 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "weight_transfer": "marinrl_register_weight_transfers",
     "curriculum": "marinrl_register_curricula",
     "engine": "marinrl_register_engines",
+    "reward": "marinrl_register_rewards",
 }

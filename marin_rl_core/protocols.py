@@ -20,6 +20,7 @@ from marin_rl_core.types import (
     LessonStats,
     Problem,
     ReceivedWeights,
+    RewardInput,
     RolloutBatch,
     RolloutGroup,
     Score,
@@ -133,6 +134,22 @@ class AgentEnv(Protocol):
 def is_agent_env(env: Any) -> bool:
     """Whether ``env`` is an :class:`AgentEnv` (it has ``run_agent``)."""
     return callable(getattr(env, "run_agent", None))
+
+
+@runtime_checkable
+class RewardFunction(Protocol):
+    """One term of a combined reward (``[[reward.terms]]``): grades finished episodes.
+
+    ``score`` gets a batch's episodes at once (a judge batches its requests) and returns one
+    value per item: a float, or ``None`` where it could not grade one (a judge that timed out
+    or answered something unparsable). ``None`` is never read as 0: that episode's problem is
+    left out of the batch and counted (``rollout/reward_failures``). An exception fails every
+    item of the call alike. The job weighs each term's value and sums them into the reward
+    (:mod:`marin_rl_core.rollout.reward_terms`).
+    """
+
+    def score(self, items: Sequence[RewardInput]) -> Sequence[float | None]:
+        """One value (or ``None``) per item, in order."""
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ A batch becomes an Arrow stream with one row per rollout, in group order::
     worker_id string?, timestamp float64?, weight_step int64?   (null when metadata is None)
     worker_index int64?, batch_index int64?                     (null when not known)
     last_weight_step int64?                                     (null: weight_step sampled all)
+    reward_terms map<string, float64>                           (empty without reward terms)
 
 The schema's metadata carries the format name, :data:`FORMAT_VERSION` and the number of groups
 (so groups without rollouts survive the round trip). Decoding checks the schema exactly and
@@ -27,12 +28,13 @@ import pyarrow as pa
 from marin_rl_core.types import Rollout, RolloutBatch, RolloutGroup, RolloutMetadata
 
 FORMAT_NAME = b"marinrl.rollout_batch"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 """Bump when the schema changes; decoders refuse versions they do not know. Version 3: token-exact
 multi-turn rollouts (one token row with a loss mask, turn starts and rewards). Version 4 adds
-``last_weight_step`` (rollouts sampled across a weight swap); version 3 is still read (a run
-resumed from rollouts stored before)."""
-_READ_VERSIONS = (3, 4)
+``last_weight_step`` (rollouts sampled across a weight swap), version 5 ``reward_terms`` (each
+term of a combined reward); versions 3 and 4 are still read (a run resumed from rollouts stored
+before)."""
+_READ_VERSIONS = (3, 4, 5)
 
 _KEY_FORMAT = b"marinrl.format"
 _KEY_VERSION = b"marinrl.format_version"
@@ -58,10 +60,11 @@ _FIELDS = [
     pa.field("worker_index", pa.int64()),
     pa.field("batch_index", pa.int64()),
     pa.field("last_weight_step", pa.int64()),
+    pa.field("reward_terms", pa.map_(pa.string(), pa.float64()), nullable=False),
 ]
 ROLLOUT_SCHEMA = pa.schema(_FIELDS)
 """The row schema (without the per-batch schema metadata)."""
-_SCHEMA_V3 = pa.schema(_FIELDS[:-1])
+_SCHEMAS = {"3": pa.schema(_FIELDS[:-2]), "4": pa.schema(_FIELDS[:-1]), "5": ROLLOUT_SCHEMA}
 
 _REQUIRED = [f.name for f in _FIELDS if not f.nullable]
 _METADATA_COLUMNS = ("worker_id", "timestamp", "weight_step")
@@ -107,6 +110,9 @@ def rollout_batch_to_table(batch: RolloutBatch) -> pa.Table:
         pa.array([m.worker_index if m else None for m in meta], pa.int64()),
         pa.array([m.batch_index if m else None for m in meta], pa.int64()),
         pa.array([m.last_weight_step if m else None for m in meta], pa.int64()),
+        pa.array(
+            [list(r.reward_terms.items()) for r in rollouts], pa.map_(pa.string(), pa.float64())
+        ),
     ]
     schema = ROLLOUT_SCHEMA.with_metadata(
         {
@@ -152,7 +158,7 @@ def _check_schema(schema: pa.Schema) -> int:
             f"{meta.get(_KEY_NUM_GROUPS)!r}"
         )
     got = [(f.name, f.type) for f in schema]
-    want = [(f.name, f.type) for f in (_SCHEMA_V3 if version == "3" else ROLLOUT_SCHEMA)]
+    want = [(f.name, f.type) for f in _SCHEMAS[version]]
     if got != want:
         raise RolloutDecodeError(
             "rollout batch columns do not match the expected schema:\n"
@@ -178,7 +184,7 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
     """The inverse of :func:`rollout_batch_to_table`; raises :class:`RolloutDecodeError`."""
     num_groups = _check_schema(table.schema)
     for name in _REQUIRED:
-        if table.column(name).null_count:
+        if name in table.column_names and table.column(name).null_count:
             raise RolloutDecodeError(f"rollout batch column {name!r} has null entries")
     if table.num_rows == 0:
         return RolloutBatch(groups=[RolloutGroup(rollouts=()) for _ in range(num_groups)])
@@ -221,6 +227,12 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
         else [None] * table.num_rows
     )
 
+    reward_terms = (
+        table.column("reward_terms").to_pylist()
+        if "reward_terms" in table.column_names
+        else [[]] * table.num_rows
+    )
+
     groups: list[list[Rollout]] = [[] for _ in range(num_groups)]
     for i in range(table.num_rows):
         metadata = None
@@ -247,6 +259,7 @@ def table_to_rollout_batch(table: pa.Table) -> RolloutBatch:
                 token_rewards=token_rewards[i],
                 part=int(part[i]),
                 truncated=truncated[i],
+                reward_terms=dict(reward_terms[i]),
                 metadata=metadata,
             )
         except ValueError as exc:

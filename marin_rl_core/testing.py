@@ -39,6 +39,7 @@ from marin_rl_core.hookspecs import (
     EnvPlugin,
     LossPlugin,
     PluginRecord,
+    RewardPlugin,
     WeightTransferPlugin,
 )
 from marin_rl_core.registry import Registry, build_registry
@@ -55,6 +56,7 @@ from marin_rl_core.types import (
     LessonDependency,
     LessonStats,
     Problem,
+    RewardInput,
     Rollout,
     RolloutGroup,
     Score,
@@ -396,6 +398,35 @@ def serve_on_loopback(argv: list[str], port: int, *, timeout_s: float = 60.0) ->
     return None
 
 
+def check_reward(record: RewardPlugin, config: Any = None) -> None:
+    """Contract of a reward function (built with ``config``, default: its config class's
+    defaults): a :class:`~marin_rl_core.protocols.RewardFunction` whose ``score`` returns one
+    finite number (or ``None``: could not grade) per episode, in order, for a batch of varied
+    episodes and for an empty one."""
+    config = check_config_class(record, config)
+    function = record.build(config)
+    name = f"reward {record.name!r}"
+    assert isinstance(function, protocols.RewardFunction), f"{name}: no score(items) method"
+    problem = Problem(id="p1", prompt="What is 2 + 3?", answer="5")
+    items = [
+        RewardInput(problem=problem, response="5", response_tokens=2, env_reward=1.0),
+        RewardInput(problem=problem, response="It is 6.", response_tokens=5, env_reward=0.0),
+        RewardInput(
+            problem=Problem(id="p2", prompt="Say hi", messages=[{"role": "user", "content": "hi"}]),
+            response="",
+            response_tokens=0,
+            env_reward=0.0,
+            truncated=True,
+            mode="eval",
+        ),  # fmt: skip
+    ]
+    got = list(function.score(items))
+    assert len(got) == len(items), f"{name}: {len(got)} values for {len(items)} episodes"
+    finite = [v is None or isinstance(v, int | float | np.floating) and np.isfinite(v) for v in got]
+    assert all(finite), f"{name}: {got} holds what is neither a finite number nor None"
+    assert list(function.score([])) == [], f"{name}: an empty batch must give no values"
+
+
 CHECKS: dict[str, Callable[..., None]] = {
     "env": check_env,
     "loss": check_loss,
@@ -403,6 +434,7 @@ CHECKS: dict[str, Callable[..., None]] = {
     "weight_transfer": check_weight_transfer,
     "curriculum": check_curriculum,
     "engine": check_engine,
+    "reward": check_reward,
 }
 
 
@@ -458,6 +490,7 @@ __all__ = [
     "check_env",
     "check_loss",
     "check_plugin",
+    "check_reward",
     "check_storage",
     "check_weight_transfer",
     "plugin_registry",

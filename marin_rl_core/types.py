@@ -28,6 +28,7 @@ from marin_rl_core.env_types import (
     AgentCommand,
     AgentEndpoint,
     Problem,
+    RewardInput,
     SamplingParams,
     Score,
     Step,
@@ -102,6 +103,8 @@ class Rollout:
             share its advantage).
         truncated: the episode ended on a limit (an action hit ``max_tokens``, the sequence hit
             ``model.max_seq_len``, or the turn limit) rather than by the env.
+        reward_terms: with ``[[reward.terms]]``, each term's value before its weight (the
+            ``reward`` is their weighted sum); empty otherwise.
         metadata: set by the rollout worker; ``None`` only before it is attached.
     """
 
@@ -119,6 +122,9 @@ class Rollout:
     )
     part: int = 0
     truncated: bool = False
+    reward_terms: Mapping[str, float] = attrs.field(
+        factory=dict, converter=lambda v: {str(k): float(x) for k, x in dict(v).items()}
+    )
     metadata: RolloutMetadata | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -378,6 +384,7 @@ __all__ = [
     "AgentCommand",
     "AgentEndpoint",
     "Problem",
+    "RewardInput",
     "SamplingParams",
     "Score",
     "Step",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import attrs
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -20,7 +21,7 @@ from marin_rl_core.rollout_serialization import (
 
 def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bool = True):
     rng = np.random.default_rng(i)
-    return Rollout.single_turn(
+    rollout = Rollout.single_turn(
         env_name=f"env{i % 2}",
         lesson_id=f"lesson-{i % 3}",
         problem_id=f"p{i}-ünïcode",
@@ -40,6 +41,10 @@ def make_rollout(i: int, *, n_prompt: int = 3, n_response: int = 4, metadata: bo
         if metadata
         else None,
     )
+    if i % 3 == 1:  # a combined reward's terms (issue 62), or none
+        terms = {"correct": 1.0, "brevity-ünï": float(rng.standard_normal()) / 3.0}
+        rollout = attrs.evolve(rollout, reward_terms=terms)
+    return rollout
 
 
 def assert_same_rollout(a: Rollout, b: Rollout) -> None:
@@ -52,6 +57,7 @@ def assert_same_rollout(a: Rollout, b: Rollout) -> None:
     assert a.reward == b.reward and type(b.reward) is float
     assert a.truncated == b.truncated and type(b.truncated) is bool
     assert a.metadata == b.metadata
+    assert a.reward_terms == b.reward_terms and list(a.reward_terms) == list(b.reward_terms)
 
 
 def assert_same_batch(a: RolloutBatch, b: RolloutBatch) -> None:
@@ -207,10 +213,22 @@ def test_batches_stored_before_last_weight_step_still_read():
     batch = RolloutBatch(groups=[RolloutGroup(rollouts=[make_rollout(i) for i in (0, 3)])])
     table = rollout_batch_to_table(batch)
     meta = {**table.schema.metadata, b"marinrl.format_version": b"3"}
-    old = table.drop_columns(["last_weight_step"]).replace_schema_metadata(meta)
+    old = table.drop_columns(["last_weight_step", "reward_terms"]).replace_schema_metadata(meta)
     read = deserialize_rollout_batch(_ipc(old))
     assert [r.metadata.last_weight_step for r in read.rollouts] == [None, None]
     assert [r.metadata.weight_step for r in read.rollouts] == [2**40, 2**40 + 3]
     # A version-3 batch with the new column is not version 3.
     with pytest.raises(RolloutDecodeError, match="columns do not match"):
         deserialize_rollout_batch(_ipc(table.replace_schema_metadata(meta)))
+
+
+def test_batches_stored_before_reward_terms_still_read():
+    """Version 4 (before rollouts kept a combined reward's terms) is still read, with none."""
+    batch = RolloutBatch(groups=[RolloutGroup(rollouts=[make_rollout(i) for i in (0, 2)])])
+    table = rollout_batch_to_table(batch)
+    meta = {**table.schema.metadata, b"marinrl.format_version": b"4"}
+    read = deserialize_rollout_batch(
+        _ipc(table.drop_columns(["reward_terms"]).replace_schema_metadata(meta))
+    )
+    assert [r.reward_terms for r in read.rollouts] == [{}, {}]
+    assert [r.metadata.last_weight_step for r in read.rollouts] == [None, 2**40 + 4]

@@ -16,6 +16,7 @@ import attrs
 from marin_rl_core.config.limits import EpisodesConfig, FaultsConfig
 from marin_rl_core.config.lora import LoraConfig
 from marin_rl_core.config.resources import ResourcesConfig, RoleResources
+from marin_rl_core.config.reward import RewardConfig
 from marin_rl_core.errors import FieldValueError, one_of
 from marin_rl_core.types import LessonConfig, LessonDependency, SamplingParams
 
@@ -423,6 +424,7 @@ class RLJobConfig:
     logging: LoggingConfig = LoggingConfig()
     faults: FaultsConfig = FaultsConfig()
     episodes: EpisodesConfig = EpisodesConfig()
+    reward: RewardConfig = RewardConfig()
     env: EnvChoice = EnvChoice(name="math")
     loss: LossChoice = LossChoice(name="rloo")
     storage: StorageChoice = StorageChoice(name="memory")

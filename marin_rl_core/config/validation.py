@@ -98,6 +98,7 @@ def validate_config(config: RLJobConfig, registry: Registry, converter=None) -> 
             f"{max(d for d in range(1, micro + 1) if config.trainer.batch_size % d == 0)}"
         )
     errors.extend(_loss_plan_errors(config, registry))
+    errors.extend(_reward_term_errors(config, registry, converter))
     if "tensorboard" in config.logging.tracker and importlib.util.find_spec("tensorboardX") is None:
         errors.append(
             '$.logging.tracker: "tensorboard" needs the tensorboardX package, which is not '
@@ -153,6 +154,25 @@ def _loss_plan_errors(config: RLJobConfig, registry: Registry) -> list[str]:
             f"leave none of the run's $.trainer.num_train_steps = {t.num_train_steps} to train "
             "the policy; use fewer"
         )
+    return errors
+
+
+def _reward_term_errors(config: RLJobConfig, registry: Registry, converter) -> list[str]:  # type: ignore[no-untyped-def]
+    """``[[reward.terms]]``: names used once, each ``fn`` a reward plugin, each ``config`` its
+    config class's."""
+    errors: list[str] = []
+    names = [term.name for term in config.reward.terms]
+    for i, term in enumerate(config.reward.terms):
+        path = f"$.reward.terms[{i}]"
+        if names.count(term.name) > 1:
+            errors.append(f"{path}.name: reward term {term.name!r} is named more than once")
+        record = registry.get("reward", term.plugin, where=f"{path}.fn")
+        try:
+            converter.structure(dict(term.config), record.config_class)
+        except (ClassValidationError, IterableValidationError) as exc:
+            errors.append(
+                format_structure_error(exc, dict(term.config), prefix=f"{path}.config").strip()
+            )
     return errors
 
 

@@ -49,6 +49,7 @@ def write_samples(path: Path, rollouts: Sequence[Rollout], *, step: int, tokeniz
                 "turns": sample_turns(r, tokenizer),
                 "part": r.part,
                 "reward": r.reward,
+                **({"reward_terms": dict(r.reward_terms)} if r.reward_terms else {}),
                 "truncated": r.truncated,
                 "worker_id": meta.worker_id if meta else None,
                 "worker": meta.worker_index if meta else None,

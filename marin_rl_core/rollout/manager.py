@@ -27,6 +27,7 @@ from marin_rl_core.protocols import CurriculumPolicy, MultiTurnEnv, is_agent_env
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.episode_state import as_multi_turn
 from marin_rl_core.rollout.episodes import EpisodeRunner
+from marin_rl_core.rollout.reward_terms import TERM_METRIC_PREFIX, RewardTerms
 from marin_rl_core.types import (
     LessonConfig,
     LessonStats,
@@ -103,6 +104,8 @@ class RolloutManager:
             lesson.id: lesson for lesson in config.curriculum.lessons
         }
         self._envs: dict[str, MultiTurnEnv] = {}
+        self.reward_terms = RewardTerms(config, registry, tokenizer)
+        """The run's ``[[reward.terms]]`` (none: the env's reward is the reward)."""
         self._errors_logged: set[str] = set()
         self.last_env_error: str | None = None  # the latest env failure, for the watchdog
         self._too_long_logged: set[str] = set()
@@ -270,7 +273,8 @@ class RolloutManager:
         generation calls: its programs run concurrently), ``env_step_seconds`` (mean per env call),
         ``tokens_per_second``, and
         ``score/<name>`` for each metric of the env's :class:`~marin_rl_core.types.Score` s,
-        averaged over the rollouts that report it.
+        averaged over the rollouts that report it; ``reward/<term>`` and ``reward_failures``
+        with ``[[reward.terms]]`` (:mod:`~marin_rl_core.rollout.reward_terms`).
 
         ``warm_up``: a throw-away batch that compiles the sampler: env calls are cut off after
         at most :data:`WARM_UP_STEP_TIMEOUT_S` (a hung env does not hold up the worker's
@@ -350,10 +354,11 @@ class RolloutManager:
             worker_index=worker_index,
             batch_index=batch_index,
         )
+        graded = self.reward_terms.grade(kept, results, lesson_id=lesson_id, mode=mode)
         groups: list[RolloutGroup] = []
         score_metrics: dict[str, list[float]] = {}
         env_seconds = step_seconds = env_calls = timeouts = turns = episodes = splits = 0.0
-        for problem, problem_results in zip(kept, results):
+        for index, (problem, problem_results) in enumerate(zip(kept, results)):
             failures = [r.failure for r in problem_results if r.failure is not None]
             for result in problem_results:
                 splits += sum(result.splits.values())
@@ -367,6 +372,8 @@ class RolloutManager:
                 what = f"running problem {problem.id}"
                 self._env_error(lesson_id, what, worst, quiet=warm_up)
                 env_errors += any(f.kind == "error" for f in failures)
+                continue
+            if index in graded.failed:  # a reward term could not grade an episode of it
                 continue
             rollouts = [
                 r.with_metadata(weights_spanned(metadata, result.weight_steps))
@@ -409,8 +416,11 @@ class RolloutManager:
         # Episodes that went on in a new training sample (Rollout.part 1, 2, ...): a chat
         # template that rewrote the past, an agent that forked or branched its history.
         metrics["episode_splits"] = splits
+        metrics.update(graded.metrics() if self.reward_terms.active else {})
         for name, values in score_metrics.items():
-            metrics[SCORE_METRIC_PREFIX + name] = float(np.mean(values))
+            # A reward term's own metric (rollout/reward/<name>), else the env's Score's.
+            prefix = "" if name.startswith(TERM_METRIC_PREFIX) else SCORE_METRIC_PREFIX
+            metrics[prefix + name] = float(np.mean(values))
         return batch, metrics
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -450,7 +460,7 @@ class RolloutManager:
             metrics={
                 name.removeprefix(SCORE_METRIC_PREFIX): value
                 for name, value in metrics.items()
-                if name.startswith(SCORE_METRIC_PREFIX)
+                if name.startswith((SCORE_METRIC_PREFIX, TERM_METRIC_PREFIX))
             },
         )
         # An eval in which no problem was scored (all dropped) says nothing about the lesson:
