@@ -58,6 +58,18 @@ class MarinRLError(Exception):
     exit_code: ExitCode = ExitCode.FAILURE
 
 
+RESUME_HINT = "marinrl run --resume RUN_DIR"
+"""Said by an error raised where the run directory is not known (a rollout worker's): the
+driver puts the run's own resume command in its place (:func:`with_resume_command`)."""
+
+
+def with_resume_command(error: MarinRLError, command: str) -> MarinRLError:
+    """``error`` with :data:`RESUME_HINT` in its message replaced by ``command``."""
+    if RESUME_HINT not in str(error):
+        return error
+    return type(error)(str(error).replace(RESUME_HINT, command))
+
+
 class ConfigError(MarinRLError):
     """A config value is missing, unknown, mistyped or invalid. The message names its path."""
 

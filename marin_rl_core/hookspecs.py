@@ -191,11 +191,18 @@ class EnginePlugin(PluginRecord):
 class RewardPlugin(PluginRecord):
     """A :class:`~marin_rl_core.protocols.RewardFunction`: a term of a combined reward
     (``[[reward.terms]]``: its ``fn``). ``build(config) -> RewardFunction``. Called once in
-    each rollout worker (and by ``marinrl eval``)."""
+    each rollout worker (and by ``marinrl eval``).
+
+    Args:
+        preflight: ``preflight(config) -> [problem, ...]``: cheap checks of a term's config
+            that ``marinrl run`` makes before anything starts (a judge without an endpoint),
+            each a sentence naming the fix, as an env's ``preflight``.
+    """
 
     kind: ClassVar[str] = "reward"
     protocol_name: ClassVar[str] = "RewardFunction"
     build: Callable[[Any], RewardFunction]
+    preflight: Callable[[Any], Sequence[str]] | None = None
 
 
 RECORD_TYPES: dict[str, type[PluginRecord]] = {

@@ -55,7 +55,7 @@ class RewardTerm:
         name: the term's name in metrics (``rollout/reward/<name>``, ``eval/<lesson>/reward/<name>``)
             and in saved rollouts.
         fn: the reward plugin that computes it (``marinrl plugins --kind reward``): ``env`` (the
-            env's own score), ``length``, ``format``, or an installed one; empty: ``name``.
+            env's own score), ``length``, ``format``, ``judge`` or an installed one; empty: ``name``.
         weight: its factor in the total (negative for a penalty).
         config: the plugin's settings (the fields of its config class).
     """
@@ -80,6 +80,10 @@ class RewardConfig:
             that cannot grade an episode (its plugin returns ``None`` for it, or raises) drops
             that episode's problem from the batch, counted in ``rollout/reward_failures``:
             never a silent 0.
+        max_failed_batches: after this many batches in a row in which one term could not
+            grade most episodes (a judge that is down), the job stops, naming the term and its
+            last error; its checkpoints are kept for ``--resume``.
     """
 
     terms: tuple[RewardTerm, ...] = attrs.field(default=(), converter=tuple)
+    max_failed_batches: int = attrs.field(default=3, validator=attrs.validators.ge(1))

@@ -207,10 +207,11 @@ def run_dir_error(exc: OSError, run_dir: Path, *, resumable: bool) -> RunDirErro
     return RunDirError(f"cannot write {what}: {exc.strerror or exc}; {fix}{resume}")
 
 
-def check_envs(config: RLJobConfig, registry: Any) -> list[str]:
+def preflight_problems(config: RLJobConfig, registry: Any) -> list[str]:
     """What each lesson's env plugin's ``preflight`` finds wrong with its env config (a data file
-    that does not exist, a package not installed), prefixed with the lesson."""
-    from marin_rl_core.config.converter import lesson_env_config
+    that does not exist, a package not installed), prefixed with the lesson, and each reward
+    term's plugin with its config (a judge without an endpoint), prefixed with the term."""
+    from marin_rl_core.config.converter import lesson_env_config, make_converter
 
     problems = []
     for i, lesson in enumerate(config.curriculum.lessons):
@@ -218,6 +219,13 @@ def check_envs(config: RLJobConfig, registry: Any) -> list[str]:
         preflight = getattr(registry.get("env", name), "preflight", None)
         for problem in preflight(env_config) if preflight is not None else ():
             problems.append(f"$.curriculum.lessons[{i}] ({lesson.id!r}, env {name}): {problem}")
+    converter = make_converter(registry)
+    for i, term in enumerate(config.reward.terms):
+        record = registry.get("reward", term.plugin)
+        if record.preflight is not None:
+            settings = converter.structure(dict(term.config), record.config_class)
+            for problem in record.preflight(settings):
+                problems.append(f"$.reward.terms[{i}] ({term.name!r}, fn {term.plugin}): {problem}")
     return problems
 
 

@@ -40,11 +40,7 @@ import attrs
 from marin_rl_core.config.converter import dump_config, unstructure_config
 from marin_rl_core.config.loading import resolve_config
 from marin_rl_core.config.schema import RLJobConfig
-from marin_rl_core.errors import (
-    ClusterError,
-    ConfigError,
-    MarinRLError,
-)
+from marin_rl_core.errors import ClusterError, ConfigError, MarinRLError, with_resume_command
 from marin_rl_core.job.actors import (
     CurriculumService,
     RolloutService,
@@ -54,11 +50,11 @@ from marin_rl_core.job.actors import (
 from marin_rl_core.job.checks import (
     RUN_DIR_ERRNOS,
     bucket_error,
-    check_envs,
     check_model,
     check_resources,
     check_run_dir_filesystem,
     first_line,
+    preflight_problems,
     probe_ray_address,
     resume_conflicts,
     run_dir_error,
@@ -177,7 +173,7 @@ class RLJob:
             )
         self._check_resume()
         errors += check_model(self.config)
-        errors += check_envs(self.config, self.registry)
+        errors += preflight_problems(self.config, self.registry)
         if errors:
             lines = dict.fromkeys(errors)  # a run-wide setting is reported once, not per lesson
             raise ConfigError("invalid job config:\n" + "\n".join(f"  {e}" for e in lines))
@@ -361,7 +357,7 @@ class RLJob:
         traceback goes to ``driver.log``."""
         cause = getattr(exc, "cause", None) or exc
         if isinstance(cause, MarinRLError):
-            return cause
+            return with_resume_command(cause, self.resume_command())
         logger.error("the job failed", exc_info=exc)
         if isinstance(cause, OSError) and cause.errno in RUN_DIR_ERRNOS:
             return run_dir_error(cause, self.run_dir, resumable=True)

@@ -354,7 +354,7 @@ class RolloutManager:
             worker_index=worker_index,
             batch_index=batch_index,
         )
-        graded = self.reward_terms.grade(kept, results, lesson_id=lesson_id, mode=mode)
+        graded = self.reward_terms.grade(kept, [] if warm_up else results, lesson_id, mode)
         groups: list[RolloutGroup] = []
         score_metrics: dict[str, list[float]] = {}
         env_seconds = step_seconds = env_calls = timeouts = turns = episodes = splits = 0.0

@@ -71,7 +71,10 @@ class RewardTerms:
             settings = converter.structure(dict(term.config), record.config_class)
             self.functions.append(record.build(settings))
         self.tokenizer = tokenizer
+        self.max_failed_batches = config.reward.max_failed_batches
         self._logged: dict[str, float] = {}
+        self._failed_in_a_row = [0] * len(self.terms)
+        self.last_error = [""] * len(self.terms)
 
     @property
     def active(self) -> bool:
@@ -82,7 +85,6 @@ class RewardTerms:
         self,
         problems: Sequence[Problem],
         results: Sequence[Sequence[Any]],
-        *,
         lesson_id: str,
         mode: str,
     ) -> Graded:
@@ -106,6 +108,7 @@ class RewardTerms:
         start = time.monotonic()
         values = [self._score(i, items) for i in range(len(self.terms))]
         graded.seconds = time.monotonic() - start
+        self._stop_if_failing(values)
         for k, (p, result) in enumerate(episodes):
             row = [values[i][k] for i in range(len(self.terms))]
             if any(v is None for v in row):
@@ -116,6 +119,25 @@ class RewardTerms:
             for term, value in zip(self.terms, row, strict=True):
                 result.metrics[TERM_METRIC_PREFIX + term.name] = float(value)  # type: ignore[arg-type]
         return graded
+
+    def _stop_if_failing(self, values: list[list[float | None]]) -> None:
+        """Count, per term, batches in a row in which it could not grade most episodes (a
+        cache may still answer a few while a judge is down); stop the job at ``[reward]
+        max_failed_batches`` of them (the stall watchdog's way: what, why, what to do)."""
+        from marin_rl_core.errors import RESUME_HINT, StalledError
+
+        for i, got in enumerate(values):
+            failed = 2 * sum(v is None for v in got) > len(got)
+            self._failed_in_a_row[i] = self._failed_in_a_row[i] + 1 if failed else 0
+            if self._failed_in_a_row[i] >= self.max_failed_batches:
+                term = self.terms[i]
+                raise StalledError(
+                    f"reward term {term.name!r} (fn {term.plugin}) could not grade most episodes "
+                    f"of {self._failed_in_a_row[i]} batches in a row (reward.max_failed_batches);"
+                    f" its last error: {self.last_error[i] or 'none given'}. Bring what it "
+                    f"depends on back (a judge's endpoint), then resume the run with "
+                    f"`{RESUME_HINT}`: judgments already made are read from its cache."
+                )
 
     def _item(
         self, problem: Problem, rollouts: Sequence[Rollout], *, lesson_id: str, mode: str
@@ -141,7 +163,8 @@ class RewardTerms:
             if len(got) != len(items):
                 raise ValueError(f"returned {len(got)} values for {len(items)} episodes")
         except Exception as exc:  # noqa: BLE001 - a term's failure drops its episodes, logged
-            self._warn(term.name, f"{type(exc).__name__}: {exc}", len(items))
+            self.last_error[i] = f"{type(exc).__name__}: {str(exc).strip()[:300]}"
+            self._warn(term.name, self.last_error[i], len(items))
             return [None] * len(items)
         values: list[float | None] = []
         for value in got:
@@ -152,7 +175,9 @@ class RewardTerms:
             values.append(number if number is not None and math.isfinite(number) else None)
         missing = sum(v is None for v in values)
         if missing:
-            self._warn(term.name, "no grade (None or not a finite number)", missing)
+            said = getattr(self.functions[i], "last_error", "")  # a judge says why
+            self.last_error[i] = said or "no grade (None or not a finite number)"
+            self._warn(term.name, self.last_error[i], missing)
         return values
 
     def _warn(self, name: str, what: str, count: int) -> None:
