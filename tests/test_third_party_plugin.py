@@ -2,7 +2,8 @@
 (``examples/marinrl-echo``, single-turn; ``examples/marinrl-countdown``, multi-turn;
 ``examples/marinrl-agent-calculator``, an agent program), the example loss
 (``examples/marinrl-reinforce``), storage (``examples/marinrl-sqlite-storage``) and engine
-(``examples/marinrl-reference-engine``)."""
+(``examples/marinrl-reference-engine``), and an env graded by a judge model
+(``examples/marinrl-describe``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ REINFORCE = EXAMPLE.parent / "marinrl-reinforce"
 AGENT_CALCULATOR = EXAMPLE.parent / "marinrl-agent-calculator"
 SQLITE_STORAGE = EXAMPLE.parent / "marinrl-sqlite-storage"
 REFERENCE_ENGINE = EXAMPLE.parent / "marinrl-reference-engine"
+DESCRIBE = EXAMPLE.parent / "marinrl-describe"
 
 
 def pip_install(example: Path, target: Path) -> Path:
@@ -335,3 +337,46 @@ def test_the_unmodified_agent_script_trains_through_marinrl_run(
     samples = [json.loads(line) for line in (tmp_path / "agent" / "samples.jsonl").open()]
     # The agent's system prompt and the tool schema it sent reached the policy.
     assert samples and "calculate" in samples[0]["prompt"]
+
+
+# --- an env graded by a judge ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed_describe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return pip_install(DESCRIBE, tmp_path_factory.mktemp("site"))
+
+
+def test_the_judged_env_example_passes_its_own_tests(installed_describe):
+    run_own_tests(DESCRIBE, installed_describe)
+
+
+def test_the_judged_env_example_trains_on_its_judges_grades(installed_describe, tmp_path):
+    """``marinrl run --config describe.toml`` made short, its judge's url pointed at a judge
+    served on loopback (tests/judge_server.py, grading by length): every trained rollout's
+    reward is the judge's grade less the length penalty, and the env's own counts are logged
+    beside them."""
+    from judge_server import JudgeServer
+
+    with JudgeServer() as judge:
+        small = [
+            "trainer.num_train_steps=2", "trainer.batch_size=16", "sampling.n_prompts=2",
+            "eval.n_examples=4", "eval.frequency=100", f'run_dir="{tmp_path}"',
+            f'reward.terms[0].config.url="{judge.url}"',
+            f'reward.terms[0].config.cache="{tmp_path / "judge.sqlite"}"',
+        ]  # fmt: skip
+        result = marinrl(
+            installed_describe, "run", "--config", str(DESCRIBE / "describe.toml"),
+            "--run-id", "describe", *[arg for setting in small for arg in ("--set", setting)],
+        )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert judge.bodies, "the judge was never asked"
+    run_dir = tmp_path / "describe"
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").open()]
+    assert samples
+    for row in samples:
+        terms = row["reward_terms"]
+        assert row["reward"] == pytest.approx(terms["judge"] - 0.05 * terms["length"])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    batches = [r for r in rows if r["source"] == "rollout" and "rollout/reward/judge" in r]
+    assert batches and all("rollout/score/words" in r for r in batches)
