@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from marin_rl_plugins.reward_terms import check_pattern
 
 from marin_rl_core import FieldValueError, RewardInput, RewardPlugin, hookimpl
 
@@ -53,13 +54,8 @@ Reply with one line: "Score: N"."""
 
 
 def _check_pattern(instance: Any, attribute: attrs.Attribute, value: str) -> None:
-    try:
-        groups = re.compile(value).groups
-    except re.error as exc:
-        raise FieldValueError(
-            attribute.name, f"{value!r} is not a regular expression: {exc}"
-        ) from None
-    if groups < 1:
+    check_pattern(instance, attribute, value)  # a regular expression, with a group
+    if re.compile(value).groups < 1:
         raise FieldValueError(attribute.name, f"{value!r} needs a group: the score's number")
 
 
@@ -176,9 +172,9 @@ class Judge:
         request = [c.url.rstrip("/"), c.model, messages, c.max_tokens, c.temperature]
         return hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
 
-    def _ask(self, messages: list[dict[str, str]]) -> str | None:
-        """The judge's reply (from the cache, else the endpoint); ``None`` when it failed."""
-        key = self._key(messages)
+    def _ask(self, key: str, messages: list[dict[str, str]]) -> str | None:
+        """The judge's reply to ``messages`` (digest ``key``: :meth:`_key`), from the cache,
+        else the endpoint; ``None`` when it failed."""
         if self._cache is not None and (cached := self._cache.get(key)) is not None:
             return cached
         try:
@@ -217,7 +213,7 @@ class Judge:
         keys = [self._key(m) for m in messages]
         unique = dict(zip(keys, messages, strict=True))  # the same request asked once
         with concurrent.futures.ThreadPoolExecutor(self.config.concurrency) as pool:
-            answered = dict(zip(unique, pool.map(self._ask, unique.values()), strict=True))
+            answered = dict(zip(unique, pool.map(self._ask, unique, unique.values()), strict=True))
         replies = [answered[k] for k in keys]
         grades = [None if r is None else self._grade(r) for r in replies]
         unparsable = [

@@ -55,7 +55,8 @@ class LengthTerm:
         return [max(0, item.response_tokens - c.free_tokens) / c.per_tokens for item in items]
 
 
-def _check_pattern(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+def check_pattern(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    """An attrs validator: ``value`` is a regular expression."""
     try:
         re.compile(value)
     except re.error as exc:
@@ -72,7 +73,7 @@ class FormatConfig:
     ignore_case: match case-insensitively.
     """
 
-    pattern: str = attrs.field(default="", validator=_check_pattern)
+    pattern: str = attrs.field(default="", validator=check_pattern)
     ignore_case: bool = False
 
 

@@ -220,8 +220,3 @@ class RewardTerms:
                 )
             )
         return out
-
-
-def term_metrics(metrics: dict[str, float]) -> dict[str, float]:
-    """The reward terms' metrics (``reward/<name>``) among a batch's."""
-    return {k: v for k, v in metrics.items() if k.startswith(TERM_METRIC_PREFIX)}
