@@ -117,6 +117,10 @@ LAZY: dict[str, tuple[str, str]] = {
     "draw_next_tokens": ("marin_rl_core.rollout.next_token", "draw_next_tokens"),
     "row_keys": ("marin_rl_core.rollout.inference", "row_keys"),
     "check_requests": ("marin_rl_core.rollout.inference", "check_requests"),
+    # a model of one's own beside the policy (a judge, a reward model): a checkpoint and its tokenizer
+    "load_hf_checkpoint": ("marin_rl_core.models.build", "load_hf_checkpoint"),
+    "load_tokenizer": ("marin_rl_core.models.tokenizer", "load_tokenizer"),
+    "RewardModel": ("marin_rl_core.models.reward_model", "RewardModel"),
 }  # fmt: skip
 """Public names imported on first use: ``name -> (module, attribute)``."""
 

@@ -84,6 +84,7 @@ def write_tiny_hf_checkpoint(
     layout: str = "transformers4",
     dtype: str = "float32",
     template: str | None = None,
+    head: str = "lm",
     **config_overrides: Any,
 ) -> Any:
     """Write a tiny random Hugging Face causal LM checkpoint with ``transformers`` (needs torch):
@@ -99,12 +100,18 @@ def write_tiny_hf_checkpoint(
     saved weights' (``"bfloat16"`` as released checkpoints are); ``config_overrides`` set any
     other field of the ``transformers`` config (``bench/scale.py`` writes Qwen3-0.6B's shape).
     ``template``: the tokenizer's chat template (a key of :data:`CHAT_TEMPLATES`; default the
-    family's, ``"chatml_tools"`` for a model that calls tools).
+    family's, ``"chatml_tools"`` for a model that calls tools). ``head="score"`` writes a reward
+    model instead: the same body as a ``*ForSequenceClassification`` with one output.
     """
     from pathlib import Path
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        GenerationConfig,
+    )
 
     path = Path(path)
     template = template or _TEMPLATE_OF[model_type]
@@ -128,9 +135,14 @@ def write_tiny_hf_checkpoint(
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if head not in ("lm", "score"):
+        raise ValueError(f"head {head!r}: choose lm (a causal LM) or score (a reward model)")
+    if head == "score":
+        fields["num_labels"] = 1
     config = AutoConfig.for_model(model_type, **{**fields, **config_overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    auto = AutoModelForCausalLM if head == "lm" else AutoModelForSequenceClassification
+    model = auto.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     end_of_turn = "<|im_end|>" if template.startswith("chatml") else "<|eot_id|>"

@@ -65,6 +65,19 @@ def check_pattern(instance: Any, attribute: attrs.Attribute, value: str) -> None
         ) from None
 
 
+def check_template(instance: Any, attribute: attrs.Attribute, value: str) -> None:
+    """An attrs validator: ``value`` is a template of an episode's text, filling in only
+    ``{prompt}``, ``{response}`` and ``{answer}``."""
+    try:
+        value.format(prompt="", response="", answer="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise FieldValueError(
+            attribute.name,
+            f"fills in only {{prompt}}, {{response}} and {{answer}} (write {{{{ and }}}} for "
+            f"braces): {type(exc).__name__}: {exc}",
+        ) from None
+
+
 @attrs.frozen(kw_only=True)
 class FormatConfig:
     """Args:

@@ -1,8 +1,11 @@
 """An OpenAI-compatible chat-completions server on loopback for the judge's tests: its "model"
 grades the response found after ``Response:`` in the request by a property no program of the env
-checks, its length (``Score: 10`` for one character, one less for each more, down to 0), so a
-test knows each grade. It can be told to fail: answer 500 to the next requests, reply without a
-score, or go down (every request answered 503) after a number of answers."""
+checks, its length (``Score: 10`` for one character, one less for each more, down to 0; or, given
+a ``target``, 10 for that many characters, two less for each one off), so a test knows each
+grade. It can be told to fail: answer 500 to the next requests, reply without a
+score, or go down (every request answered 503) after a number of answers. Given ``reply``, a
+function of the request's messages and ``max_tokens``, it answers with what that returns instead
+(a real model behind the endpoint)."""
 
 from __future__ import annotations
 
@@ -14,16 +17,24 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-def grade_of(response: str) -> int:
-    """The server's grade of a response: 10 for one character, one less per extra one."""
-    return max(0, min(10, 11 - len(response.strip())))
+def grade_of(response: str, target: int | None = None) -> int:
+    """The server's grade of a response: 10 for one character, one less per extra one; with a
+    ``target`` length, 10 for exactly that many characters, two less per character off."""
+    length = len(response.strip())
+    if target is not None:
+        return max(0, 10 - 2 * abs(length - target))
+    return max(0, min(10, 11 - length))
 
 
 class JudgeServer:
     """``with JudgeServer() as server: server.url`` (``http://127.0.0.1:PORT/v1``)."""
 
-    def __init__(self, *, port: int = 0, delay_s: float = 0.02):
+    def __init__(
+        self, *, port: int = 0, delay_s: float = 0.02, reply: Any = None, target: int | None = None
+    ):
         self.delay_s = delay_s
+        self.reply = reply
+        self.target = target
         self.fail_next = 0  # answer 500 to this many requests
         self.garble = False  # reply without a score
         self.answer_budget: int | None = None  # after this many answers: 503 to everything
@@ -67,30 +78,38 @@ class JudgeServer:
             if failing or not path.endswith("/chat/completions"):
                 return 500, {"error": {"message": "internal error"}}
             request = json.loads(body)
+            if self.reply is not None:
+                content = self.reply(request["messages"], request.get("max_tokens", 16))
+                with self._lock:
+                    self.bodies.append(body)
+                return 200, self._completion(request, content)
             text = request["messages"][-1]["content"]
             match = re.search(r"Response:\n(.*?)(?:\n\n|$)", text, re.S)
-            grade = grade_of(match.group(1) if match else text)
+            grade = grade_of(match.group(1) if match else text, self.target)
             content = "I like it." if self.garble else f"Short and clear.\nScore: {grade}"
             with self._lock:
                 if not self.garble:
                     self.bodies.append(body)
-            return 200, {
-                "id": f"chatcmpl-{self.requests}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": request.get("model", "judge"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": content},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-            }
+            return 200, self._completion(request, content)
         finally:
             with self._lock:
                 self.in_flight -= 1
+
+    def _completion(self, request: dict[str, Any], content: str) -> dict[str, Any]:
+        return {
+            "id": f"chatcmpl-{self.requests}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.get("model", "judge"),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+        }
 
     def __enter__(self) -> JudgeServer:
         self._thread.start()

@@ -1,11 +1,12 @@
-"""The ``judge`` reward term (issue 62): a model behind an OpenAI-compatible endpoint grades each
-response against a rubric; requests go out a few at a time, retried, cached by request; a judge
-that cannot answer never becomes a 0, and one that stays down stops the job, naming it; a
-resumed job does not ask again what it was told."""
+"""The ``judge`` reward term (issue 62): a model behind an OpenAI-compatible endpoint, or a local
+checkpoint on marinrl's own engine, grades each response against a rubric; requests go out a few
+at a time, retried, cached by request; a judge that cannot answer never becomes a 0, and one
+that stays down stops the job, naming it; a resumed job does not ask again what it was told."""
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 
 import pytest
@@ -18,7 +19,7 @@ from marin_rl_core.errors import ExitCode, StalledError
 from marin_rl_core.metrics import read_metrics
 from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 from marin_rl_core.rollout.reward_terms import RewardTerms
-from marin_rl_core.testing import check_plugin
+from marin_rl_core.testing import check_plugin, write_tiny_hf_checkpoint
 
 RESPONSES = ["3", "33", "it is 3", "", "three", "3 3 3 3 3 3 3 3", "4", "12345678901"]
 
@@ -68,6 +69,57 @@ def test_a_failing_request_is_retried_and_one_without_a_score_is_no_grade(server
     assert "without a score" in judge.last_error
     server.garble = False
     assert judge.score(items(["4"])) == [1.0]
+
+
+def transformers_reply(path):
+    """What a server running the checkpoint at ``path`` with ``transformers`` answers: greedy
+    decoding of the chat-templated messages, up to the checkpoint's stop ids."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from marin_rl_core import load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = AutoTokenizer.from_pretrained(path)
+    stops = list(load_tokenizer(str(path)).stop_ids)
+    lock = threading.Lock()
+
+    def reply(messages, max_tokens):
+        text = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = hf.encode(text, add_special_tokens=False)
+        with lock, torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                eos_token_id=stops, pad_token_id=stops[0],
+            )  # fmt: skip
+        return hf.decode(
+            [t for t in out[0, len(ids) :].tolist() if t not in stops], skip_special_tokens=True
+        )
+
+    return reply
+
+
+def test_a_local_checkpoint_judge_grades_a_batch_as_an_endpoint_serving_it_does(tmp_path):
+    """The same checkpoint as the judge two ways: loaded by the judge into marinrl's kv engine
+    (one batched call), and behind a loopback OpenAI-compatible server running it with
+    ``transformers``: the same replies, so the same grades, for the same batch."""
+    path = write_tiny_hf_checkpoint(tmp_path / "judge", "qwen3", seed=3)
+    rubric = dict(prompt="{prompt}{response}=", score_pattern=r"(\d)", max_score=9, max_tokens=8)
+    batch = items(["3", "33", "4", "12", "7", "3", "1+1"])
+    local = Judge(JudgeConfig(checkpoint=str(path), cache="", max_seq_len=64, **rubric))
+    mine = local.replies(batch)
+    assert local.requests == 6  # "3" twice: asked once
+    with JudgeServer(reply=transformers_reply(path)) as server:
+        remote = Judge(JudgeConfig(url=server.url, cache="", **rubric))
+        theirs = remote.replies(batch)
+        assert mine == theirs
+        assert remote.score(batch) == local.score(batch)
+    grades = local.score(batch)
+    assert sum(g is not None for g in grades) >= 3, f"too few replies with a digit: {mine}"
+    # A request with its reply longer than max_seq_len is no grade, and the judge says why.
+    short = Judge(JudgeConfig(checkpoint=str(path), cache="", max_seq_len=20, **rubric))
+    assert short.score(items(["3", "1234567890" * 2]))[1] is None
+    assert "raise the judge's max_seq_len" in short.last_error
 
 
 def test_a_judge_that_is_down_grades_nothing_and_stops_the_job_after_a_few_batches(tmp_path):

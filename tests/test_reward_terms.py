@@ -82,15 +82,16 @@ def test_the_reward_is_the_weighted_sum_and_lands_where_the_env_put_its_own():
     prompt = tok.encode("1+2=", add_bos=True)
     three = tok.encode("3")
     results = [
-        [_episode(tok, prompt, three, 1.0), _episode(tok, prompt, three + three + three, 0.0)],
+        # "3" and its EOS: the terms read the text without the stop token that ended it.
+        [_episode(tok, prompt, [*three, tok.eos_id], 1.0), _episode(tok, prompt, three * 3, 0.0)],
         [_episode(tok, prompt, None, 0.0, turns=((three, three, three + three), (0.5, 0.25)))],
     ]
     problems = [Problem(id="a", prompt="1+2="), Problem(id="b", prompt="1+2=")]
     graded = terms.grade(problems, results, lesson_id="l", mode="train")
     assert graded.failures == 0 and not graded.failed
     short, long = results[0][0].rollouts[0], results[0][1].rollouts[0]
-    assert short.reward_terms == {"correct": 1.0, "brevity": 0.0, "digits": 1.0}
-    assert short.reward == pytest.approx(2.0 * 1 - 0.5 * 0 + 0.25 * 1)
+    assert short.reward_terms == {"correct": 1.0, "brevity": 1.0, "digits": 1.0}
+    assert short.reward == pytest.approx(2.0 * 1 - 0.5 * 1 + 0.25 * 1)
     assert long.reward_terms == {"correct": 0.0, "brevity": 2.0, "digits": 1.0}
     assert long.reward == pytest.approx(0 - 0.5 * 2 + 0.25)
     assert short.turn_rewards.tolist() == pytest.approx([short.reward])

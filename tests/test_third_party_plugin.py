@@ -351,18 +351,18 @@ def test_the_judged_env_example_passes_its_own_tests(installed_describe):
     run_own_tests(DESCRIBE, installed_describe)
 
 
-def test_the_judged_env_example_trains_on_its_judges_grades(installed_describe, tmp_path):
-    """``marinrl run --config describe.toml`` made short, its judge's url pointed at a judge
-    served on loopback (tests/judge_server.py, grading by length): every trained rollout's
-    reward is the judge's grade less the length penalty, and the env's own counts are logged
-    beside them."""
+def test_the_judged_env_example_learns_what_its_judge_asks_for(installed_describe, tmp_path):
+    """The bar for a judge's reward: ``marinrl run --config describe.toml`` with its judge's url
+    pointed at a judge served on loopback (tests/judge_server.py) whose rubric asks for a
+    description of exactly 6 characters. The held-out judged reward rises, and what a program
+    counts beside it, the env's own ``characters``, moves to the 6 asked for; every trained
+    rollout's reward is the judge's grade less the length penalty."""
     from judge_server import JudgeServer
 
-    with JudgeServer() as judge:
+    with JudgeServer(target=6, delay_s=0.0) as judge:
         small = [
-            "trainer.num_train_steps=2", "trainer.batch_size=16", "sampling.n_prompts=2",
-            "eval.n_examples=4", "eval.frequency=100", f'run_dir="{tmp_path}"',
-            f'reward.terms[0].config.url="{judge.url}"',
+            "trainer.num_train_steps=40", "eval.n_examples=32", "eval.frequency=40",
+            f'run_dir="{tmp_path}"', f'reward.terms[0].config.url="{judge.url}"',
             f'reward.terms[0].config.cache="{tmp_path / "judge.sqlite"}"',
         ]  # fmt: skip
         result = marinrl(
@@ -370,13 +370,19 @@ def test_the_judged_env_example_trains_on_its_judges_grades(installed_describe, 
             "--run-id", "describe", *[arg for setting in small for arg in ("--set", setting)],
         )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert judge.bodies, "the judge was never asked"
     run_dir = tmp_path / "describe"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evals = [r for r in rows if r["source"] == "eval"]
+    first, last = evals[0], evals[-1]
+    assert (first["step"], last["step"]) == (0, 40)
+    judged = [r["eval/describe/reward/judge"] for r in (first, last)]
+    chars = [r["eval/describe/characters"] for r in (first, last)]
+    assert judged[1] >= judged[0] + 0.3, f"the judged reward did not rise: {judged}"
+    assert abs(chars[1] - 6) <= abs(chars[0] - 6) / 2, f"not nearer 6 characters: {chars}"
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").open()]
     assert samples
     for row in samples:
         terms = row["reward_terms"]
         assert row["reward"] == pytest.approx(terms["judge"] - 0.05 * terms["length"])
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     batches = [r for r in rows if r["source"] == "rollout" and "rollout/reward/judge" in r]
     assert batches and all("rollout/score/words" in r for r in batches)

@@ -1,7 +1,7 @@
 """``describe``: an env whose answers no program can grade. The policy is asked to describe a few
 animals in a few words; a judge model grades each description against a rubric
 (``describe.toml``'s ``[[reward.terms]]``), and the env reports only what a program can count
-beside it: the description's words and letters.
+beside it: the description's words, letters and characters.
 
 The env's own reward is 0 for every response: a run of this env takes its reward from reward
 terms (a ``judge``, a ``length`` penalty), never from the env.
@@ -43,7 +43,10 @@ class DescribeEnv:
 
     def score(self, problem: Problem, response: str) -> Score:
         words = response.split()
-        return Score(0.0, {"words": len(words), "letters": sum(c.isalpha() for c in response)})
+        letters = sum(c.isalpha() for c in response)
+        return Score(
+            0.0, {"words": len(words), "letters": letters, "characters": len(response.strip())}
+        )
 
 
 @hookimpl

@@ -284,6 +284,7 @@ def load_hf_checkpoint(
     resize_vocab: bool = False,
     dtype: Any = jnp.float32,
     gradient_checkpointing: bool = False,
+    heads: dict[str, np.ndarray] | None = None,
 ) -> LmHeadModel:
     """Load a Hugging Face checkpoint (a local directory or a hub id) with levanter's
     ``HFCheckpointConverter``.
@@ -295,6 +296,11 @@ def load_hf_checkpoint(
             keeps the checkpoint's vocabulary (see :func:`check_vocab`).
         dtype: parameter dtype (the weights are read into it).
         gradient_checkpointing: recompute layer activations in the backward pass.
+        heads: for a sequence classifier's checkpoint (``LlamaForSequenceClassification`` and
+            the like: ``score.weight`` where a causal LM has its LM head): a dict that gets the
+            score head (``heads["score"]``, ``[labels, hidden]``, float32); the model comes back
+            with its LM head tied to its embeddings, for its hidden states only
+            (:class:`~marin_rl_core.models.reward_model.RewardModel`).
 
     Raises:
         marin_rl_core.errors.ConfigError: a missing checkpoint or an unsupported architecture.
@@ -313,7 +319,17 @@ def load_hf_checkpoint(
 
     class Converter(HFCheckpointConverter):
         def load_state_dict(self, ref: Any = None, dtype: Any = None) -> dict:
-            return _layers_stacked_on_host(super().load_state_dict(ref, dtype))
+            state_dict = super().load_state_dict(ref, dtype)
+            if heads is not None:
+                from marin_rl_core.errors import ConfigError
+
+                if "score.weight" not in state_dict:
+                    raise ConfigError(
+                        f"{spec} has no score.weight: not a sequence-classification checkpoint"
+                    )
+                heads["score"] = np.asarray(state_dict.pop("score.weight"), dtype=np.float32)
+                state_dict.pop("lm_head.weight", None)
+            return _layers_stacked_on_host(state_dict)
 
     converter = Converter(
         lev_config_cls,
@@ -322,6 +338,8 @@ def load_hf_checkpoint(
         tokenizer=tokenizer.to_hf(),
     )
     lev_config, _ = checkpoint_levanter_config(spec, gradient_checkpointing=gradient_checkpointing)
+    if heads is not None:  # no LM head in the file: the embeddings stand in, never read
+        lev_config = dataclasses.replace(lev_config, tie_word_embeddings=True)
     # levanter warns whenever the tokenizer has fewer tokens than the model has rows; for a
     # checkpoint's own (padded) vocabulary that is expected, and check_vocab refuses the rest.
     quiet = _Quiet("levanter.compat.hf_checkpoints", "does not match tokenizer vocab size")

@@ -354,7 +354,8 @@ class RolloutManager:
             worker_index=worker_index,
             batch_index=batch_index,
         )
-        graded = self.reward_terms.grade(kept, [] if warm_up else results, lesson_id, mode)
+        done = [] if warm_up else results
+        graded = self.reward_terms.grade(kept, done, lesson_id, mode, sampling)
         groups: list[RolloutGroup] = []
         score_metrics: dict[str, list[float]] = {}
         env_seconds = step_seconds = env_calls = timeouts = turns = episodes = splits = 0.0

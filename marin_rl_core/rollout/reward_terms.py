@@ -30,7 +30,7 @@ import numpy as np
 
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.registry import Registry
-from marin_rl_core.types import Problem, RewardInput, Rollout
+from marin_rl_core.types import Problem, RewardInput, Rollout, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -87,11 +87,14 @@ class RewardTerms:
         results: Sequence[Sequence[Any]],
         lesson_id: str,
         mode: str,
+        sampling: SamplingParams | None = None,
     ) -> Graded:
         """Grade every episode of ``results`` (per problem, its episodes'
         :class:`~marin_rl_core.rollout.episode_state.EpisodeResult` s; failed ones skipped) and
         reward their rollouts again, in place; each term's value goes into the episode's
-        ``metrics`` as ``reward/<name>``."""
+        ``metrics`` as ``reward/<name>``. A term reads each response's text as the env does:
+        without the sampled stop tokens that ended its turns (EOS, the template's end of turn,
+        the checkpoint's and ``sampling``'s stops)."""
         graded = Graded()
         if not self.active:
             return graded
@@ -101,8 +104,11 @@ class RewardTerms:
             for result in problem_results
             if result.failure is None and result.rollouts
         ]
+        from marin_rl_core.models.tokenizer import response_stop_ids
+
+        stops = set(response_stop_ids(self.tokenizer, sampling.stop_tokens if sampling else ()))
         items = [
-            self._item(problems[p], result.rollouts, lesson_id=lesson_id, mode=mode)
+            self._item(problems[p], result.rollouts, lesson_id=lesson_id, mode=mode, stops=stops)
             for p, result in episodes
         ]
         start = time.monotonic()
@@ -140,9 +146,21 @@ class RewardTerms:
                 )
 
     def _item(
-        self, problem: Problem, rollouts: Sequence[Rollout], *, lesson_id: str, mode: str
+        self,
+        problem: Problem,
+        rollouts: Sequence[Rollout],
+        *,
+        lesson_id: str,
+        mode: str,
+        stops: set[int],
     ) -> RewardInput:
-        text = "".join(self.tokenizer.decode(r.response_tokens.tolist()) for r in rollouts)
+        def text(r: Rollout) -> str:
+            sampled = r.loss_mask[r.prompt_length :].tolist()
+            tokens = r.response_tokens.tolist()
+            kept = [t for t, m in zip(tokens, sampled, strict=True) if not (m and t in stops)]
+            return self.tokenizer.decode(kept)
+
+        text = "".join(text(r) for r in rollouts)
         return RewardInput(
             problem=problem,
             response=text,

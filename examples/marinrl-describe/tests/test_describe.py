@@ -16,7 +16,7 @@ def test_the_env_honours_the_contract():
     env = record.build(record.config_class())
     (problem,) = env.sample_problems(1, mode="train", seed=0)
     score = env.score(problem, "a cat purrs")
-    assert score.reward == 0.0 and score.metrics == {"words": 3, "letters": 9}
+    assert score.reward == 0.0 and score.metrics == {"words": 3, "letters": 9, "characters": 11}
 
 
 def test_the_run_config_takes_its_reward_from_a_judge_and_a_length_penalty():
