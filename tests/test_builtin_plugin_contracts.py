@@ -28,7 +28,7 @@ def local_ray(start_local_ray):
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.kind}:{e.name}")
-def test_builtin_plugin_honours_its_contract(entry, request):
+def test_builtin_plugin_honours_its_contract(entry, request, tmp_path):
     assert entry.distribution == "marin-rl"
     if (entry.kind, entry.name) == ("storage", "memory"):
         request.getfixturevalue("local_ray")  # its queue is a Ray actor
@@ -38,6 +38,14 @@ def test_builtin_plugin_honours_its_contract(entry, request):
 
         with JudgeServer() as server:
             check_plugin(entry.record, JudgeConfig(url=server.url, cache=""))
+        return
+    if (entry.kind, entry.name) == ("reward", "reward_model"):  # it needs a checkpoint
+        from marin_rl_plugins.reward_model import RewardModelConfig
+
+        from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+        path = write_tiny_hf_checkpoint(tmp_path / "rm", "qwen3", head="score")
+        check_plugin(entry.record, RewardModelConfig(checkpoint=str(path)))
         return
     check_plugin(entry.record)
 
