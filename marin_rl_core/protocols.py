@@ -38,6 +38,10 @@ class Env(Protocol):
     env to score each one. Envs know nothing of workers, weights or metadata. ``score`` may raise
     for a malformed problem or response: the rollout side then drops that one problem, counts it
     in the ``env_errors`` metric, and carries on.
+
+    Optional: ``answer(problem, response) -> str | None``, the response's answer in a canonical
+    form (responses whose answers agree give the same string; ``None``: it has none), for
+    ``marinrl eval``'s majority vote (maj@k).
     """
 
     def sample_problems(self, n: int, *, mode: Mode, seed: int) -> list[Problem]:

@@ -93,6 +93,7 @@ import os
 import re
 import threading
 from collections.abc import Sequence
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any
 
@@ -463,6 +464,22 @@ class MathEnv:
         while len(out) < n:
             out.extend(pool[i] for i in rng.permutation(len(pool))[: n - len(out)])
         return out
+
+    def answer(self, problem: Problem, response: str) -> str | None:
+        """The response's answer, for ``marinrl eval``'s majority vote: generated tasks grade
+        the whole response (exact match), so it is the answer; file and dataset tasks: what
+        ``extract`` takes from it, a number written canonically (``"1,000.50"`` and
+        ``"1000.5"`` agree)."""
+        if problem.info.get("task") not in ("file", "dataset"):
+            return response or None
+        found = extract_answer(response, self.config.extract)
+        if found is None:
+            return None
+        try:
+            number = Decimal(found.replace(",", "").strip())
+        except InvalidOperation:
+            return " ".join(found.split())
+        return format(number.normalize(), "f") if number.is_finite() else " ".join(found.split())
 
     def score(self, problem: Problem, response: str) -> float | Score:
         """Generated tasks: exact match (a float). File and dataset tasks: a :class:`Score`

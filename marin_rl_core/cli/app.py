@@ -8,15 +8,14 @@ level: ``marinrl --help`` and ``marinrl plugins list`` stay fast.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from marin_rl_core.cli.evaluate import eval_command
 from marin_rl_core.cli.options import (
     CONFIG_PANEL,
     ConfigOpt,
@@ -62,6 +61,9 @@ def main_callback(plugin: PluginOpt = None, disable_plugin: DisableOpt = None) -
     """
     before_subcommand["plugin"] = list(plugin or ())
     before_subcommand["disable_plugin"] = list(disable_plugin or ())
+
+
+app.command("eval")(eval_command)  # marinrl eval: cli/evaluate.py
 
 
 @app.command()
@@ -293,99 +295,6 @@ def _train(cfg: Any, registry: Any) -> None:
             f"  {job.resume_command()}"
         )
         raise typer.Exit(int(ExitCode.INTERRUPTED))
-
-
-@contextlib.contextmanager
-def _log_to_run(path: str, name: str) -> Iterator[None]:
-    """Log records (tracebacks of a damaged checkpoint skipped, levanter's own) go to
-    ``RUN_DIR/logs/NAME`` while the block runs, not to the console, which shows only the
-    command's own warnings. ``path`` is a run directory or one of its checkpoints (a run on a
-    bucket logs to its local copy)."""
-    import logging
-
-    from marin_rl_core.job.actors import attach_log_file
-    from marin_rl_core.rundir import local_copy, run_path
-
-    where = run_path(path)
-    run_dir = where if (where / "config.toml").is_file() else where.parent.parent
-    root = logging.getLogger()
-    level = root.level
-    try:
-        logs = local_copy(run_dir) / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        handler = attach_log_file(logs / name)
-    except OSError:  # a read-only run: nowhere to keep them, and not on the console either
-        handler = logging.NullHandler()
-        root.addHandler(handler)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
-        handler.close()
-
-
-@app.command("eval")
-def eval_command(
-    checkpoint: Annotated[
-        str,
-        typer.Argument(
-            help="A run directory (its latest checkpoint) or a checkpoint directory; a path or "
-            "a bucket URL."
-        ),
-    ],
-    n_examples: Annotated[
-        int | None,
-        typer.Option(help="Held-out problems per lesson (default: the run's eval.n_examples)."),
-    ] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
-    plugin: PluginOpt = None,
-    disable_plugin: DisableOpt = None,
-) -> None:
-    """Score a saved checkpoint on every lesson of its run (no Ray, no weight transfer)."""
-
-    def go() -> None:
-        from marin_rl_core.learner.checkpoint import run_config_file
-        from marin_rl_core.rundir import run_path
-
-        where = run_path(checkpoint)
-        if not any((d / "config.toml").is_file() for d in (where, where.parent.parent)):
-            # Neither a run nor one of its checkpoints: say so before loading anything (and
-            # before a log file is written anywhere).
-            run_config_file(where)
-        from marin_rl_core.job.evaluation import evaluate_checkpoint
-
-        registry = registry_for(plugin, disable_plugin)
-        try:
-            with _log_to_run(checkpoint, "eval.log"):
-                results = evaluate_checkpoint(checkpoint, registry, n_examples=n_examples)
-        except FileNotFoundError as exc:
-            from marin_rl_core.errors import ConfigError
-
-            raise ConfigError(str(exc)) from None
-        for warning in results["warnings"]:
-            typer.echo(f"warning: {warning}", err=True)
-        if as_json:
-            typer.echo(json.dumps(results, indent=2))
-            return
-        from rich.console import Console
-        from rich.table import Table
-
-        rows = results["lessons"]
-        # The envs' Score metrics (format, correct ...), after reward and problems.
-        extra = list(
-            dict.fromkeys(k for row in rows.values() for k in row if k not in ("reward", "n"))
-        )
-        table = Table(
-            "lesson", "reward", "problems", *extra, title=f"eval of {results['checkpoint']}"
-        )
-        for lesson, row in rows.items():
-            cells = [f"{row[k]:.3f}" if k in row else "" for k in extra]
-            reward = "no problem scored" if row["reward"] is None else f"{row['reward']:.3f}"
-            table.add_row(lesson, reward, str(row["n"]), *cells)
-        Console().print(table)
-
-    guarded(go)
 
 
 @app.command()

@@ -1,63 +1,96 @@
-"""Offline evaluation of a saved checkpoint: a :class:`RolloutManager` on its own.
+"""Offline evaluation (``marinrl eval``): a :class:`RolloutManager` on its own, no Ray, no weight
+transfer, no storage, on the engine a job would use (issue 63).
 
-No Ray, no weight transfer, no storage: load the run's config and the checkpoint's weights, and
-score held-out problems of every lesson with the run's eval sampling params.
+What is evaluated is a policy: a run's checkpoint (its config and weights; a LoRA run's
+adapters merged into its base), or any Hugging Face checkpoint with a config built as ``marinrl
+run`` builds one (``--env``, ``--set``). Each lesson's held-out problems (the run's eval draw:
+the same seed, so a run's own last eval scores the same problems) are sampled ``samples`` times
+each at ``temperature``; every sample is kept (:func:`sample_rows`), and the statistics of
+:mod:`marin_rl_core.eval_stats` are computed per lesson and over all of them. Results go to
+``results.json`` and the samples to ``samples.jsonl`` in the output directory (a run's:
+``<run>/evals/step-<N>/``, never its checkpoints).
+
+A sample is **correct** when its env reports a ``correct`` metric of 1 (the math env does), else
+when its reward reaches ``pass_reward``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from marin_rl_core.config.loading import resolve_config
+import attrs
+
+from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.learner.checkpoint import STATE_FILE, resolve_checkpoint, run_config_file
 from marin_rl_core.registry import Registry
 from marin_rl_core.rollout.worker import EVAL_SEED_OFFSET
 from marin_rl_core.rundir import run_path
 
+logger = logging.getLogger(__name__)
 
-def evaluate_checkpoint(
-    path: str | Path, registry: Registry, *, n_examples: int | None = None
-) -> dict[str, Any]:
-    """Score ``path`` (a run directory or one of its checkpoints) on every lesson.
 
-    A run directory's newest checkpoint that can be read is used (damaged newer ones are
-    skipped and named in ``"warnings"``). Returns ``{"checkpoint": str, "step": int,
-    "warnings": [str], "lessons": {id: {"reward": float, "n": int,
-    ...}}}``; a lesson whose env returns :class:`~marin_rl_core.types.Score` s also has each
-    score metric's mean (``"format"``, ``"correct"`` ...).
+@attrs.frozen(kw_only=True)
+class EvalSettings:
+    """How ``marinrl eval`` samples and what it reports.
+
+    Args:
+        samples: samples per problem.
+        ks: the k of pass@k and maj@k (those above ``samples`` are left out).
+        temperature: sampling temperature; ``None``: the lesson's eval temperature for one
+            sample (greedy by default), 1.0 for several.
+        n_examples: held-out problems per lesson (``None``: the run's ``eval.n_examples``).
+        pass_reward: the reward at which a sample counts as correct, for an env that reports no
+            ``correct`` metric.
     """
-    from marin_rl_core.learner.checkpoint import (
-        CheckpointError,
-        latest_checkpoint,
-        load_newest,
-        read_state,
-    )
-    from marin_rl_core.learner.lora_checkpoint import check_base, trained_policy
+
+    samples: int = 1
+    ks: tuple[int, ...] = (1,)
+    temperature: float | None = None
+    n_examples: int | None = None
+    pass_reward: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
+class Policy:
+    """A policy to evaluate and where it came from."""
+
+    config: RLJobConfig
+    tokenizer: Any
+    model: Any
+    step: int | None
+    source: str
+    """A checkpoint directory, or the Hugging Face checkpoint's."""
+    run_dir: Path | None = None
+    warnings: tuple[str, ...] = ()
+
+
+def run_policy(path: str | Path, registry: Registry) -> Policy:
+    """The policy of ``path``: a run directory (its newest checkpoint that can be read; damaged
+    newer ones are skipped and named in ``warnings``) or one of its checkpoints."""
+    from marin_rl_core.config.loading import resolve_config
+    from marin_rl_core.learner.checkpoint import CheckpointError, latest_checkpoint, load_newest
+    from marin_rl_core.learner.lora_checkpoint import check_base
     from marin_rl_core.models.lora import trained_policy_like
     from marin_rl_core.models.tokenizer import model_tokenizer
-    from marin_rl_core.rollout.manager import RolloutManager
 
     path = run_path(path)
     if (path / "model.eqx").exists() or (path / STATE_FILE).exists():
         run_dir, candidates = path.parent.parent, [resolve_checkpoint(path)]
     else:
         run_dir, candidates = path, []
-    config_file = run_config_file(run_dir)
-    config = resolve_config(registry, files=[config_file])
+    config = resolve_config(registry, files=[run_config_file(run_dir)])
     tokenizer = model_tokenizer(config.model)
     # A LoRA run's adapters belong on the base they name: a changed base is refused first
     # (not taken for a damaged checkpoint).
     newest = candidates[0] if candidates else latest_checkpoint(run_dir)
     if newest is not None:
         check_base(newest, config)
-    like = trained_policy_like(config, tokenizer)
-
-    def load(checkpoint: Path) -> tuple[int, Any]:
-        # A LoRA run's policy is its base with the adapters merged in.
-        step = int(read_state(checkpoint)["step"])
-        return step, trained_policy(checkpoint, config, tokenizer, like=like)
-
+    load = _loader(config, tokenizer, trained_policy_like(config, tokenizer))
     warnings: list[str] = []
     if candidates:  # one checkpoint asked for by name: no falling back
         checkpoint = candidates[0]
@@ -76,25 +109,206 @@ def evaluate_checkpoint(
             resolve_checkpoint(run_dir)  # raises: no checkpoint
             raise AssertionError("unreachable")
         checkpoint, (step, model), warnings = found
-    manager = RolloutManager(config, registry, model=model, tokenizer=tokenizer)
-    results = manager.evaluate_curriculum(
-        n_examples=n_examples or config.eval.n_examples,
-        seed=config.seed + EVAL_SEED_OFFSET,
+    return Policy(
+        config=config,
+        tokenizer=tokenizer,
+        model=model,
         step=step,
-        weight_step=step,
-        worker_id="eval",
+        source=str(checkpoint),
+        run_dir=run_dir,
+        warnings=tuple(warnings),
     )
-    manager.shutdown()
-    return {
-        "checkpoint": str(checkpoint),
-        "step": step,
-        "warnings": warnings,
-        "lessons": {
-            lesson: {
-                "reward": stats.mean_reward if stats.n_rollouts else None,
-                "n": stats.n_rollouts,
-                **stats.metrics,
+
+
+def _loader(config: RLJobConfig, tokenizer: Any, like: Any) -> Any:
+    from marin_rl_core.learner.checkpoint import read_state
+    from marin_rl_core.learner.lora_checkpoint import trained_policy
+
+    def load(checkpoint: Path) -> tuple[int, Any]:
+        # A LoRA run's policy is its base with the adapters merged in.
+        step = int(read_state(checkpoint)["step"])
+        return step, trained_policy(checkpoint, config, tokenizer, like=like)
+
+    return load
+
+
+def pretrained_policy(config: RLJobConfig) -> Policy:
+    """The policy ``model.checkpoint`` names (a Hugging Face checkpoint), as a run would start
+    from it."""
+    from marin_rl_core.models.build import initial_model
+    from marin_rl_core.models.tokenizer import model_tokenizer
+
+    tokenizer = model_tokenizer(config.model)
+    model = initial_model(config, tokenizer)
+    return Policy(
+        config=config, tokenizer=tokenizer, model=model, step=None, source=config.model.checkpoint
+    )
+
+
+def sample_rows(
+    manager: Any, lesson_id: str, settings: EvalSettings, *, step: int | None
+) -> tuple[list[list[dict[str, Any]]], bool, dict[str, float]]:
+    """Every sample of one lesson's held-out problems, one list of rows per problem (problems
+    an env or a reward term could not finish are left out: counted in the batch's metrics);
+    whether the env says what an answer is (maj@k); the batch's metrics."""
+    from marin_rl_core.models.tokenizer import response_stop_ids
+    from marin_rl_core.rollout.reward_terms import response_text
+
+    config = manager.config
+    sampling = config.eval_sampling_for(manager.lessons[lesson_id])
+    temperature = settings.temperature
+    if temperature is None:
+        temperature = sampling.temperature if settings.samples == 1 else 1.0
+    sampling = attrs.evolve(
+        sampling, n_generations_per_prompt=settings.samples, temperature=temperature
+    )
+    _, metrics = manager.sample_batch(
+        lesson_id,
+        n_examples=settings.n_examples or config.eval.n_examples,
+        n_generations=settings.samples,
+        mode="eval",
+        seed=config.seed + EVAL_SEED_OFFSET,
+        weight_step=step or 0,
+        worker_id="eval",
+        sampling=sampling,
+    )
+    env = manager.env(lesson_id)
+    answer = getattr(getattr(env, "env", env), "answer", None)
+    stops = set(response_stop_ids(manager.tokenizer, sampling.stop_tokens))
+    problems, results = manager.last_episodes
+    rows: list[list[dict[str, Any]]] = []
+    for problem, episodes in zip(problems, results, strict=True):
+        if any(e.failure is not None or not e.rollouts for e in episodes):
+            continue
+        if any(f"reward/{t.name}" not in e.metrics for e in episodes for t in config.reward.terms):
+            continue  # a reward term could not grade it
+        rows.append([])
+        for k, episode in enumerate(episodes):
+            first = episode.rollouts[0]
+            text = response_text(episode.rollouts, manager.tokenizer, stops)
+            reward = float(first.reward)
+            metrics = {name: float(v) for name, v in episode.metrics.items()}
+            row = {
+                "lesson": lesson_id,
+                "problem": problem.id,
+                "sample": k,
+                "prompt": manager.tokenizer.decode(first.prompt_tokens.tolist()),
+                "response": text,
+                "reward": reward,
+                "correct": metrics["correct"] >= 0.5
+                if "correct" in metrics
+                else reward >= settings.pass_reward,
+                "truncated": any(r.truncated for r in episode.rollouts),
+                "metrics": metrics,
+                "temperature": temperature,
             }
-            for lesson, (stats, _) in results.items()
-        },
+            if answer is not None:
+                row["answer"] = answer(problem, text)
+            rows[-1].append(row)
+    return rows, answer is not None, metrics
+
+
+def evaluate_policy(
+    policy: Policy, registry: Registry, settings: EvalSettings, out_dir: Path | None
+) -> dict[str, Any]:
+    """Sample and score every lesson of ``policy``'s config; write ``results.json`` and
+    ``samples.jsonl`` into ``out_dir`` (``None``: nothing written). Returns the results:
+    ``{"checkpoint", "step", "warnings", "samples", "temperature", "intervals", "lessons":
+    {id: {"reward", "n", "problems", "dropped", <metrics>, "stats": {...}}}, "overall": {...}}``
+    (``reward``: the mean over every sample; ``stats``: :func:`~marin_rl_core.eval_stats.summarize`'s
+    estimates as ``{"value", "low", "high"}``)."""
+    from marin_rl_core.eval_stats import INTERVALS, summarize
+    from marin_rl_core.rollout.manager import RolloutManager
+
+    config = policy.config
+    lessons = [lesson.id for lesson in config.curriculum.lessons]
+    manager = RolloutManager(config, registry, model=policy.model, tokenizer=policy.tokenizer)
+    everything: list[list[dict[str, Any]]] = []
+    majority_everywhere = True
+    results: dict[str, Any] = {}
+    start = time.monotonic()
+    try:
+        what = "eval" if policy.step is None else f"eval step {policy.step}"
+        for lesson_id in _progress(lessons, what):
+            rows, majority, metrics = sample_rows(manager, lesson_id, settings, step=policy.step)
+            everything.extend(rows)
+            majority_everywhere &= majority
+            flat = [s for problem in rows for s in problem]
+            means = {
+                name: sum(s["metrics"][name] for s in flat) / len(flat)
+                for name in (flat[0]["metrics"] if flat else {})
+            }
+            results[lesson_id] = {
+                "reward": sum(s["reward"] for s in flat) / len(flat) if flat else None,
+                "n": len(flat),
+                "problems": len(rows),
+                "dropped": len(manager.last_episodes[0])
+                + int(metrics.get("prompts_too_long", 0))
+                - len(rows),
+                **means,
+                "stats": _as_dicts(summarize(rows, settings.ks, majority=majority)),
+            }
+    finally:
+        manager.shutdown()
+    temperatures = {s["temperature"] for p in everything for s in p}
+    out = {
+        "checkpoint": policy.source,
+        "step": policy.step,
+        "warnings": list(policy.warnings),
+        "samples": settings.samples,
+        "temperature": temperatures.pop() if len(temperatures) == 1 else None,
+        "intervals": INTERVALS,
+        "seconds": time.monotonic() - start,
+        "lessons": results,
+        "overall": _as_dicts(summarize(everything, settings.ks, majority=majority_everywhere)),
     }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with (out_dir / "samples.jsonl").open("w") as f:
+            for problem in everything:
+                for row in problem:
+                    f.write(json.dumps({"step": policy.step, **row}) + "\n")
+        (out_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
+        out["out_dir"] = str(out_dir)
+    return out
+
+
+def _as_dicts(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in stats.items()}
+
+
+def _progress(items: Sequence[str], what: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=what, unit="lesson", leave=False, disable=len(items) < 2)
+
+
+def evaluate_checkpoint(
+    path: str | Path,
+    registry: Registry,
+    *,
+    n_examples: int | None = None,
+    settings: EvalSettings | None = None,
+    out_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Score ``path`` (a run directory or one of its checkpoints) on every lesson of its run
+    (:func:`evaluate_policy`); results and samples go to ``out_dir``, by default
+    ``<run>/evals/step-<N>``."""
+    settings = settings or EvalSettings()
+    if n_examples is not None:
+        settings = attrs.evolve(settings, n_examples=n_examples)
+    policy = run_policy(path, registry)
+    if out_dir is None and policy.run_dir is not None and policy.run_dir.exists():
+        out_dir = policy.run_dir / "evals" / f"step-{policy.step:06d}"
+    return evaluate_policy(policy, registry, settings, out_dir)
+
+
+__all__ = [
+    "EvalSettings",
+    "Policy",
+    "evaluate_checkpoint",
+    "evaluate_policy",
+    "pretrained_policy",
+    "run_policy",
+    "sample_rows",
+]

@@ -109,6 +109,7 @@ class RolloutManager:
         self._errors_logged: set[str] = set()
         self.last_env_error: str | None = None  # the latest env failure, for the watchdog
         self._too_long_logged: set[str] = set()
+        self.last_episodes: tuple[list[Problem], list[list[Any]]] = ([], [])
         biggest = max(
             [
                 config.sampling_for(lesson).n_prompts
@@ -413,15 +414,14 @@ class RolloutManager:
             "env_hung_threads": float(self._runner.hung_threads),
             # Rollouts sampled by more than one weight step (new weights arrived mid-batch).
             "frac_spanning_weights": spanning / len(rollouts_all) if rollouts_all else 0.0,
+            "episode_splits": splits,  # episodes that went on in a new sample (Rollout.part)
         }
-        # Episodes that went on in a new training sample (Rollout.part 1, 2, ...): a chat
-        # template that rewrote the past, an agent that forked or branched its history.
-        metrics["episode_splits"] = splits
         metrics.update(graded.metrics() if self.reward_terms.active else {})
         for name, values in score_metrics.items():
             # A reward term's own metric (rollout/reward/<name>), else the env's Score's.
             prefix = "" if name.startswith(TERM_METRIC_PREFIX) else SCORE_METRIC_PREFIX
             metrics[prefix + name] = float(np.mean(values))
+        self.last_episodes = (kept, results)  # each episode's own metrics (`marinrl eval`)
         return batch, metrics
 
     # --- evaluation ---------------------------------------------------------------------------

@@ -57,6 +57,20 @@ class Graded:
         return {"reward_failures": float(self.failures), "reward_seconds": self.seconds}
 
 
+def response_text(rollouts: Sequence[Rollout], tokenizer: Any, stops: set[int]) -> str:
+    """An episode's response as its env read it: its rollouts' response tokens decoded, without
+    the sampled ``stops`` that ended its turns (observations between turns kept)."""
+
+    def text(r: Rollout) -> str:
+        sampled = r.loss_mask[r.prompt_length :].tolist()
+        tokens = r.response_tokens.tolist()
+        return tokenizer.decode(
+            [t for t, m in zip(tokens, sampled, strict=True) if not (m and t in stops)]
+        )
+
+    return "".join(text(r) for r in rollouts)
+
+
 class RewardTerms:
     """The run's ``[[reward.terms]]``, built (each plugin once) for one process."""
 
@@ -154,13 +168,7 @@ class RewardTerms:
         mode: str,
         stops: set[int],
     ) -> RewardInput:
-        def text(r: Rollout) -> str:
-            sampled = r.loss_mask[r.prompt_length :].tolist()
-            tokens = r.response_tokens.tolist()
-            kept = [t for t, m in zip(tokens, sampled, strict=True) if not (m and t in stops)]
-            return self.tokenizer.decode(kept)
-
-        text = "".join(text(r) for r in rollouts)
+        text = response_text(rollouts, self.tokenizer, stops)
         return RewardInput(
             problem=problem,
             response=text,

@@ -1,0 +1,215 @@
+"""``marinrl eval`` (a run's checkpoint, or any Hugging Face checkpoint on any env: pass@k, maj@k
+and mean reward with intervals, every sample kept) and ``marinrl samples`` (what a policy
+wrote, best and worst first), registered on the ``marinrl`` command by
+:mod:`marin_rl_core.cli.app`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from marin_rl_core.cli.options import (
+    ConfigOpt,
+    DisableOpt,
+    EnvOpt,
+    PluginOpt,
+    SetOpt,
+    guarded,
+    model_override,
+    registry_for,
+    resolve,
+)
+
+
+@contextlib.contextmanager
+def _log_to_run(path: str, name: str) -> Iterator[None]:
+    """Log records (tracebacks of a damaged checkpoint skipped, levanter's own) go to
+    ``RUN_DIR/logs/NAME`` while the block runs, not to the console, which shows only the
+    command's own warnings. ``path`` is a run directory or one of its checkpoints (a run on a
+    bucket logs to its local copy)."""
+    import logging
+
+    from marin_rl_core.job.actors import attach_log_file
+    from marin_rl_core.rundir import local_copy, run_path
+
+    where = run_path(path)
+    run_dir = where if (where / "config.toml").is_file() else where.parent.parent
+    root = logging.getLogger()
+    level = root.level
+    try:
+        logs = local_copy(run_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        handler = attach_log_file(logs / name)
+    except OSError:  # a read-only run: nowhere to keep them, and not on the console either
+        handler = logging.NullHandler()
+        root.addHandler(handler)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+        handler.close()
+
+
+def eval_command(
+    checkpoint: Annotated[
+        str | None,
+        typer.Argument(
+            help="A run directory (its latest checkpoint) or a checkpoint directory; a path or "
+            "a bucket URL. Leave out with --model."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            help="A Hugging Face checkpoint (a directory or a hub id) to evaluate instead of a "
+            "run, on --env and --set as `marinrl run` takes them."
+        ),
+    ] = None,
+    env: EnvOpt = None,
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 1,
+    k: Annotated[
+        list[int] | None,
+        typer.Option(
+            "--k",
+            min=1,
+            help="pass@k and maj@k for this k (repeat: --k 1 --k 4); default 1 and "
+            "the number of samples.",
+        ),
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            help="Sampling temperature (default: the lesson's eval temperature, greedy, for one "
+            "sample; 1.0 for several).",
+        ),
+    ] = None,
+    n_examples: Annotated[
+        int | None,
+        typer.Option(help="Held-out problems per lesson (default: the run's eval.n_examples)."),
+    ] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where results.json and samples.jsonl go (default: RUN/evals/step-N for a run, "
+            "evals/<model name> for --model)."
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    plugin: PluginOpt = None,
+    disable_plugin: DisableOpt = None,
+) -> None:
+    """Score a policy on held-out problems: a run's checkpoint on its run's lessons, or a Hugging
+    Face checkpoint (--model) on any env. Prints mean reward, pass@k and maj@k with 95%
+    intervals per lesson; every sample goes to samples.jsonl beside results.json."""
+
+    def go() -> None:
+        from marin_rl_core.errors import ConfigError
+        from marin_rl_core.job.evaluation import EvalSettings
+
+        if (checkpoint is None) == (model is None):
+            raise ConfigError(
+                "give a run (or one of its checkpoints) or --model HF_CHECKPOINT, not both: "
+                "`marinrl eval runs/rl-1` or `marinrl eval --model DIR --env math`"
+            )
+        ks = tuple(k) if k else tuple(dict.fromkeys((1, samples)))
+        settings = EvalSettings(
+            samples=samples, ks=ks, temperature=temperature, n_examples=n_examples
+        )
+        registry = registry_for(plugin, disable_plugin)
+        if model is not None:
+            results = _eval_model(model, registry, settings)
+        else:
+            results = _eval_run(checkpoint, registry, settings)  # type: ignore[arg-type]
+        for warning in results["warnings"]:
+            typer.echo(f"warning: {warning}", err=True)
+        if as_json:
+            typer.echo(json.dumps(results, indent=2))
+            return
+        from rich.console import Console
+
+        Console().print(results_table(results))
+        typer.echo(results["intervals"])
+        if "out_dir" in results:
+            typer.echo(f"samples and results: {results['out_dir']}")
+
+    def _eval_model(spec: str, registry: Any, settings: Any) -> dict[str, Any]:
+        from marin_rl_core.job.evaluation import evaluate_policy, pretrained_policy
+
+        cfg = resolve(
+            registry,
+            config=config,
+            set_=set_,
+            selections={"env": env},
+            extra_overrides=model_override(spec),
+        )
+        where = out or Path("evals") / Path(spec.rstrip("/")).name
+        return evaluate_policy(pretrained_policy(cfg), registry, settings, where)
+
+    def _eval_run(path: str, registry: Any, settings: Any) -> dict[str, Any]:
+        from marin_rl_core.errors import ConfigError
+        from marin_rl_core.job.evaluation import evaluate_checkpoint
+        from marin_rl_core.learner.checkpoint import run_config_file
+        from marin_rl_core.rundir import run_path
+
+        if env is not None or set_ or config:
+            raise ConfigError(
+                "--env, --set and --config choose what --model is evaluated on; a run is "
+                "evaluated on its own lessons"
+            )
+        where = run_path(path)
+        if not any((d / "config.toml").is_file() for d in (where, where.parent.parent)):
+            # Neither a run nor one of its checkpoints: say so before loading anything (and
+            # before a log file is written anywhere).
+            run_config_file(where)
+        try:
+            with _log_to_run(path, "eval.log"):
+                return evaluate_checkpoint(path, registry, settings=settings, out_dir=out)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(exc)) from None
+
+    guarded(go)
+
+
+def results_table(results: dict[str, Any]) -> Any:
+    """The table ``marinrl eval`` prints: per lesson (and over all of them), a row per
+    statistic with its value and 95% interval, then the env's own metrics' means."""
+    from rich.table import Table
+
+    temperature = results.get("temperature")
+    title = f"eval of {results['checkpoint']}: {results['samples']} sample(s) a problem" + (
+        f" at temperature {temperature:g}" if temperature is not None else ""
+    )
+    table = Table("lesson", "problems", "statistic", "value", "95% interval", title=title)
+    skip = ("reward", "n", "problems", "dropped", "stats")
+    rows = list(results["lessons"].items())
+    if len(rows) > 1:
+        rows.append(("all", {"problems": results["overall"].get("problems", 0), "dropped": 0,
+                             "stats": results["overall"]}))  # fmt: skip
+    for lesson, row in rows:
+        problems = str(row["problems"]) + (f" ({row['dropped']} dropped)" if row["dropped"] else "")
+        if not row["problems"]:
+            table.add_row(lesson, problems, "no problem scored", "", "", end_section=True)
+            continue
+        stats = [(k, v) for k, v in row["stats"].items() if isinstance(v, dict)]
+        means = [(k, v) for k, v in row.items() if k not in skip]
+        for i, (name, estimate) in enumerate(stats):
+            table.add_row(
+                lesson if i == 0 else "",
+                problems if i == 0 else "",
+                name,
+                f"{estimate['value']:.3f}",
+                f"[{estimate['low']:.3f}, {estimate['high']:.3f}]",
+                end_section=i == len(stats) - 1 and not means,
+            )
+        for j, (name, value) in enumerate(means):
+            table.add_row("", "", name, f"{value:.3f}", "", end_section=j == len(means) - 1)
+    return table
