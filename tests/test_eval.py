@@ -124,3 +124,14 @@ def test_eval_of_a_hugging_face_checkpoint_on_a_file_task_reports_what_its_sampl
     assert results["lessons"][lesson]["correct"] == pytest.approx(
         sum(r["correct"] for r in rows) / len(rows)
     )
+    # marinrl samples: what it wrote, the best and the worst first, with their rewards.
+    shown = cli("samples", str(out), "--n", "2")
+    assert shown.exit_code == 0, shown.output
+    best = max(rows, key=lambda r: r["reward"])
+    text = " ".join(shown.output.split())
+    assert f"{len(rows)} samples" in text and "the best 2 and the worst 2" in text
+    assert f"reward {best['reward']:.3f}" in text and "worst" in text
+    missing = cli("samples", str(out / "samples.jsonl"), "--step", "7")
+    assert missing.exit_code == 3 and "has no samples of step 7" in missing.output
+    nothing = cli("samples", str(tmp_path), "--eval")
+    assert nothing.exit_code == 3 and "`marinrl eval" in nothing.output

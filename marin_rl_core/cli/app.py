@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
-from marin_rl_core.cli.evaluate import eval_command
+from marin_rl_core.cli.evaluate import eval_command, samples_command
 from marin_rl_core.cli.options import (
     CONFIG_PANEL,
     ConfigOpt,
@@ -63,7 +63,8 @@ def main_callback(plugin: PluginOpt = None, disable_plugin: DisableOpt = None) -
     before_subcommand["disable_plugin"] = list(disable_plugin or ())
 
 
-app.command("eval")(eval_command)  # marinrl eval: cli/evaluate.py
+app.command("eval")(eval_command)  # marinrl eval and marinrl samples: cli/evaluate.py
+app.command("samples")(samples_command)
 
 
 @app.command()

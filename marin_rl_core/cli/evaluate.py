@@ -213,3 +213,122 @@ def results_table(results: dict[str, Any]) -> Any:
         for j, (name, value) in enumerate(means):
             table.add_row("", "", name, f"{value:.3f}", "", end_section=j == len(means) - 1)
     return table
+
+
+def read_samples(path: str, *, evals: bool, step: int | None) -> tuple[list[dict[str, Any]], str]:
+    """The sample rows ``marinrl samples`` shows and where they came from: a ``samples.jsonl``
+    file; a ``marinrl eval`` output directory; a run's training samples (``samples.jsonl``), or
+    with ``evals`` its ``marinrl eval`` results (``evals/step-N/``). Rows of ``step`` (``None``:
+    the last step there is)."""
+    from marin_rl_core.errors import ConfigError
+    from marin_rl_core.rundir import run_path
+
+    where = run_path(path)
+    if where.is_file():
+        file = where
+    elif evals:
+        found = sorted((where / "evals").glob("step-*/samples.jsonl"))
+        if step is not None:
+            found = [f for f in found if f.parent.name == f"step-{step:06d}"]
+        if not found:
+            raise ConfigError(
+                f"{path} has no eval samples{'' if step is None else f' of step {step}'}: "
+                f"`marinrl eval {path}` writes them (evals/step-N/samples.jsonl)"
+            )
+        file = found[-1]
+    else:
+        file = where / "samples.jsonl"
+        if not file.is_file():
+            raise ConfigError(
+                f"{path} has no samples.jsonl: give a run directory (its training samples, "
+                "logging.samples_per_step a step), an eval's output directory or a samples.jsonl"
+            )
+    rows = []
+    lines = file.read_text().splitlines()
+    for number, line in enumerate(lines, 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):  # (a last line still being written is left out)
+                raise ConfigError(
+                    f"{file} line {number} is not JSON: the file is damaged"
+                ) from None
+    steps = sorted({r.get("step") for r in rows if r.get("step") is not None})
+    if step is None and steps:
+        step = steps[-1]
+    if step is not None:
+        if step not in steps:
+            has = f"it has steps {steps[0]}..{steps[-1]}" if steps else "its samples have no step"
+            raise ConfigError(f"{file} has no samples of step {step}; {has}")
+        rows = [r for r in rows if r.get("step") == step]
+    return rows, str(file)
+
+
+def samples_command(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A run directory (its training samples; --eval: its `marinrl eval` samples), "
+            "an eval's output directory, or a samples.jsonl file."
+        ),
+    ],
+    step: Annotated[int | None, typer.Option(help="The step (default: the last one).")] = None,
+    evals: Annotated[
+        bool, typer.Option("--eval", help="A run's `marinrl eval` samples, not its training.")
+    ] = False,
+    lesson: Annotated[str | None, typer.Option(help="Only this lesson's samples.")] = None,
+    n: Annotated[int, typer.Option(min=1, help="Samples shown from each end.")] = 3,
+    width: Annotated[int, typer.Option(min=20, help="Characters of a prompt shown.")] = 200,
+) -> None:
+    """Show what a policy wrote: a step's samples with their rewards, the best then the
+    worst."""
+
+    def go() -> None:
+        from rich.console import Console
+        from rich.panel import Panel
+
+        from marin_rl_core.errors import ConfigError
+
+        rows, source = read_samples(path, evals=evals, step=step)
+        if lesson is not None:
+            lessons = sorted({str(r.get("lesson")) for r in rows})
+            rows = [r for r in rows if r.get("lesson") == lesson]
+            if not rows:
+                raise ConfigError(f"no samples of lesson {lesson!r} there; it has {lessons}")
+        if not rows:
+            raise ConfigError(f"{source} has no samples")
+        ranked = sorted(rows, key=lambda r: -float(r.get("reward", 0.0)))
+        shown = ranked if len(ranked) <= 2 * n else [*ranked[:n], *ranked[-n:]]
+        console = Console()
+        rewards = [float(r.get("reward", 0.0)) for r in rows]
+        console.print(
+            f"{source}: step {rows[0].get('step')}, {len(rows)} samples, reward mean "
+            f"{sum(rewards) / len(rewards):.3f} (min {min(rewards):.3f}, max {max(rewards):.3f}); "
+            + ("all of them" if shown is ranked else f"the best {n} and the worst {n}")
+        )
+        for i, row in enumerate(shown):
+            if shown is not ranked and i == n:
+                console.rule("worst")
+            terms = row.get("reward_terms") or {}
+            detail = ", ".join(f"{k} {v:.3f}" for k, v in terms.items())
+            if "correct" in row:
+                detail = ", ".join(
+                    filter(None, [f"correct {bool(row['correct'])}".lower(), detail])
+                )
+            title = (
+                f"reward {float(row.get('reward', 0.0)):.3f}"
+                + (f" ({detail})" if detail else "")
+                + f"  {row.get('lesson')} / {row.get('problem')}"
+            )
+            prompt = str(row.get("prompt", ""))
+            prompt = prompt if len(prompt) <= width else "..." + prompt[-width:]
+            body = f"[dim]{_escape(prompt)}[/dim]\n{_escape(str(row.get('response', '')))}"
+            console.print(Panel(body, title=title, title_align="left"))
+
+    guarded(go)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
