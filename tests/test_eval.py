@@ -135,3 +135,34 @@ def test_eval_of_a_hugging_face_checkpoint_on_a_file_task_reports_what_its_sampl
     assert missing.exit_code == 3 and "has no samples of step 7" in missing.output
     nothing = cli("samples", str(tmp_path), "--eval")
     assert nothing.exit_code == 3 and "`marinrl eval" in nothing.output
+
+
+def test_eval_all_scores_every_checkpoint_as_the_run_scored_it(cli, tmp_path, tiny_mock_job):
+    """``marinrl eval RUN --all``: a row per checkpoint, a plot, each step's samples; greedy on
+    the run's own held-out draw, each checkpoint's score is the one the run logged at its step
+    (the last within its interval, as the bar asks, and here exactly)."""
+    from marin_rl_core.metrics import read_metrics
+
+    result = cli(
+        "run", *tiny_mock_job, "--set", "trainer.num_train_steps=3", "--set", "eval.frequency=1",
+        "--set", "trainer.checkpoint_interval_steps=1", "--set", "resources.colocate=true",
+        "--set", f'run_dir="{tmp_path}"', "--run-id", "r",
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "r"
+    evaluated = cli("eval", str(run), "--all", "--json")
+    assert evaluated.exit_code == 0, evaluated.output
+    found = json.loads(evaluated.stdout[evaluated.stdout.index("{") :])
+    steps = [r["step"] for r in found["checkpoints"]]
+    assert steps == sorted(steps) and steps[-1] == 3 and len(steps) >= 2
+    assert (run / "evals" / "checkpoints.png").stat().st_size > 0
+    logged = {r["step"]: r for r in read_metrics(run) if r["source"] == "eval"}
+    for r in found["checkpoints"]:
+        assert (run / "evals" / f"step-{r['step']:06d}" / "samples.jsonl").is_file()
+        for lesson, row in r["lessons"].items():
+            assert row["reward"] == pytest.approx(logged[r["step"]][f"eval/{lesson}/reward"])
+    last = found["checkpoints"][-1]["overall"]["pass@1"]
+    (lesson,) = found["checkpoints"][-1]["lessons"]
+    assert last["low"] <= logged[3][f"eval/{lesson}/reward"] <= last["high"]
+    table = cli("eval", str(run), "--all")
+    assert table.exit_code == 0 and "eval of each checkpoint" in table.output

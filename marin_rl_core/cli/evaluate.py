@@ -103,6 +103,14 @@ def eval_command(
             "evals/<model name> for --model)."
         ),
     ] = None,
+    every: Annotated[
+        bool,
+        typer.Option(
+            "--all",
+            help="Every checkpoint of the run: a table and a plot (RUN/evals/checkpoints.png) of "
+            "pass@k against step.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
     plugin: PluginOpt = None,
     disable_plugin: DisableOpt = None,
@@ -125,6 +133,11 @@ def eval_command(
             samples=samples, ks=ks, temperature=temperature, n_examples=n_examples
         )
         registry = registry_for(plugin, disable_plugin)
+        if every:
+            if model is not None or out is not None:
+                raise ConfigError("--all evaluates a run's checkpoints into RUN/evals/: give a run")
+            _eval_every(checkpoint, registry, settings)  # type: ignore[arg-type]
+            return
         if model is not None:
             results = _eval_model(model, registry, settings)
         else:
@@ -154,9 +167,32 @@ def eval_command(
         where = out or Path("evals") / Path(spec.rstrip("/")).name
         return evaluate_policy(pretrained_policy(cfg), registry, settings, where)
 
-    def _eval_run(path: str, registry: Any, settings: Any) -> dict[str, Any]:
+    def _eval_every(path: str, registry: Any, settings: Any) -> None:
+        from rich.console import Console
+
+        from marin_rl_core.job.evaluation import evaluate_all_checkpoints, plot_checkpoints
+        from marin_rl_core.rundir import is_remote, local_copy, put, run_path
+
+        _check_run(path)
+        with _log_to_run(path, "eval.log"):
+            results, warnings = evaluate_all_checkpoints(path, registry, settings)
+        for warning in warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        run_dir = run_path(path)
+        plot = local_copy(run_dir) / "evals" / "checkpoints.png"
+        plot_checkpoints(results, plot, f"{run_dir.name}: eval of each checkpoint")
+        where = put(plot, run_dir, "evals/checkpoints.png") if is_remote(run_dir) else plot
+        if as_json:
+            summary = {"checkpoints": results, "warnings": warnings, "plot": str(where)}
+            typer.echo(json.dumps(summary, indent=2))
+            return
+        Console().print(checkpoints_table(results))
+        if results:
+            typer.echo(results[0]["intervals"])
+        typer.echo(f"plot: {where}\nsamples and results: {run_dir / 'evals'}/step-N/")
+
+    def _check_run(path: str) -> None:
         from marin_rl_core.errors import ConfigError
-        from marin_rl_core.job.evaluation import evaluate_checkpoint
         from marin_rl_core.learner.checkpoint import run_config_file
         from marin_rl_core.rundir import run_path
 
@@ -170,6 +206,12 @@ def eval_command(
             # Neither a run nor one of its checkpoints: say so before loading anything (and
             # before a log file is written anywhere).
             run_config_file(where)
+
+    def _eval_run(path: str, registry: Any, settings: Any) -> dict[str, Any]:
+        from marin_rl_core.errors import ConfigError
+        from marin_rl_core.job.evaluation import evaluate_checkpoint
+
+        _check_run(path)
         try:
             with _log_to_run(path, "eval.log"):
                 return evaluate_checkpoint(path, registry, settings=settings, out_dir=out)
@@ -212,6 +254,26 @@ def results_table(results: dict[str, Any]) -> Any:
             )
         for j, (name, value) in enumerate(means):
             table.add_row("", "", name, f"{value:.3f}", "", end_section=j == len(means) - 1)
+    return table
+
+
+def checkpoints_table(results: list[dict[str, Any]]) -> Any:
+    """``marinrl eval --all``'s table: a row per checkpoint, each statistic over all lessons as
+    ``value [low, high]``."""
+    from rich.table import Table
+
+    names = list(
+        dict.fromkeys(n for r in results for n, v in r["overall"].items() if isinstance(v, dict))
+    )
+    table = Table("step", "problems", *names, title="eval of each checkpoint, all lessons")
+    for r in results:
+        cells = [
+            f"{e['value']:.3f} [{e['low']:.2f}, {e['high']:.2f}]"
+            if (e := r["overall"].get(n))
+            else ""
+            for n in names
+        ]
+        table.add_row(str(r["step"]), str(r["overall"].get("problems", 0)), *cells)
     return table
 
 

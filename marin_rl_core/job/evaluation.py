@@ -209,20 +209,31 @@ def sample_rows(
 
 
 def evaluate_policy(
-    policy: Policy, registry: Registry, settings: EvalSettings, out_dir: Path | None
+    policy: Policy,
+    registry: Registry,
+    settings: EvalSettings,
+    out_dir: Path | None,
+    *,
+    manager: Any = None,
 ) -> dict[str, Any]:
     """Sample and score every lesson of ``policy``'s config; write ``results.json`` and
     ``samples.jsonl`` into ``out_dir`` (``None``: nothing written). Returns the results:
     ``{"checkpoint", "step", "warnings", "samples", "temperature", "intervals", "lessons":
     {id: {"reward", "n", "problems", "dropped", <metrics>, "stats": {...}}}, "overall": {...}}``
     (``reward``: the mean over every sample; ``stats``: :func:`~marin_rl_core.eval_stats.summarize`'s
-    estimates as ``{"value", "low", "high"}``)."""
+    estimates as ``{"value", "low", "high"}``). ``manager``: a
+    :class:`~marin_rl_core.rollout.manager.RolloutManager` of the same config to sample with
+    (given the policy's weights, and left open), instead of one built and shut down here."""
     from marin_rl_core.eval_stats import INTERVALS, summarize
     from marin_rl_core.rollout.manager import RolloutManager
 
     config = policy.config
     lessons = [lesson.id for lesson in config.curriculum.lessons]
-    manager = RolloutManager(config, registry, model=policy.model, tokenizer=policy.tokenizer)
+    own = manager is None
+    if own:
+        manager = RolloutManager(config, registry, model=policy.model, tokenizer=policy.tokenizer)
+    else:
+        manager.update_model(policy.model, weight_step=policy.step)
     everything: list[list[dict[str, Any]]] = []
     majority_everywhere = True
     results: dict[str, Any] = {}
@@ -249,7 +260,8 @@ def evaluate_policy(
                 "stats": _as_dicts(summarize(rows, settings.ks, majority=majority)),
             }
     finally:
-        manager.shutdown()
+        if own:
+            manager.shutdown()
     temperatures = {s["temperature"] for p in everything for s in p}
     out = {
         "checkpoint": policy.source,
@@ -277,10 +289,10 @@ def _as_dicts(stats: dict[str, Any]) -> dict[str, Any]:
     return {k: v.as_dict() if hasattr(v, "as_dict") else v for k, v in stats.items()}
 
 
-def _progress(items: Sequence[str], what: str) -> Any:
+def _progress(items: Sequence[str], what: str, unit: str = "lesson") -> Any:
     from tqdm.auto import tqdm
 
-    return tqdm(items, desc=what, unit="lesson", leave=False, disable=len(items) < 2)
+    return tqdm(items, desc=what, unit=unit, leave=False, disable=len(items) < 2)
 
 
 def evaluate_checkpoint(
@@ -303,11 +315,81 @@ def evaluate_checkpoint(
     return evaluate_policy(policy, registry, settings, out_dir)
 
 
+def evaluate_all_checkpoints(
+    run_dir: str | Path, registry: Registry, settings: EvalSettings
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Every complete checkpoint of a run, oldest first (:func:`evaluate_policy`, one engine
+    for all of them; each step's samples and results in ``<run>/evals/step-N/``). Returns the
+    results and warnings (a damaged checkpoint is skipped, named)."""
+    from marin_rl_core.learner.checkpoint import CheckpointError, checkpoints_newest_first
+    from marin_rl_core.rollout.manager import RolloutManager
+
+    run_dir = run_path(run_dir)
+    checkpoints = checkpoints_newest_first(run_dir)[::-1]
+    if not checkpoints:
+        resolve_checkpoint(run_dir)  # raises: no checkpoint, saying what to do
+    results: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    manager = None
+    try:
+        for checkpoint in _progress([str(c) for c in checkpoints], "checkpoints", "checkpoint"):
+            try:
+                policy = run_policy(checkpoint, registry)
+            except CheckpointError as exc:
+                warnings.append(f"{Path(checkpoint).name}: {exc}; skipped")
+                logger.warning("eval --all: %s skipped", checkpoint, exc_info=True)
+                continue
+            if manager is None:
+                manager = RolloutManager(
+                    policy.config, registry, model=policy.model, tokenizer=policy.tokenizer
+                )
+            out_dir = run_dir / "evals" / f"step-{policy.step:06d}"
+            results.append(evaluate_policy(policy, registry, settings, out_dir, manager=manager))
+    finally:
+        if manager is not None:
+            manager.shutdown()
+    return results, warnings
+
+
+def plot_checkpoints(results: Sequence[dict[str, Any]], out: Path, title: str) -> Path:
+    """pass@k (each k) and maj@k over all lessons against the checkpoint's step, their 95%
+    intervals shaded, into the PNG ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in results]
+    names = list(dict.fromkeys(n for r in results for n in r["overall"] if "@" in n))
+    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    for name in names:
+        points = [(s, r["overall"][name]) for s, r in zip(steps, results) if name in r["overall"]]
+        xs = [s for s, _ in points]
+        ax.plot(xs, [e["value"] for _, e in points], marker="o", markersize=3, label=name)
+        ax.fill_between(
+            xs, [e["low"] for _, e in points], [e["high"] for _, e in points], alpha=0.15
+        )
+    ax.set_xlabel("trainer step")
+    ax.set_ylabel("all lessons (95% interval shaded)")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    if names:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
 __all__ = [
     "EvalSettings",
     "Policy",
+    "evaluate_all_checkpoints",
     "evaluate_checkpoint",
     "evaluate_policy",
+    "plot_checkpoints",
     "pretrained_policy",
     "run_policy",
     "sample_rows",
