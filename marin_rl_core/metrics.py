@@ -21,6 +21,8 @@ from typing import Any
 from marin_rl_core.rundir import growing_file, local_copy, run_path, upload_now, write_text
 
 METRICS_FILE = "metrics.jsonl"
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+"""A few decoded rollouts of each lesson at each eval (``logging.samples_per_step``)."""
 
 
 def _plain(value: Any) -> Any:
@@ -50,6 +52,7 @@ class MetricsHub:
     """
 
     def __init__(self, run_dir: str, trackers: Iterable[str] = (), run_id: str = ""):
+        self.run_dir = run_dir
         self.path = growing_file(run_dir, METRICS_FILE)
         self._file = self.path.open("a", buffering=1)
         self._latest: dict[str, Any] = {}
@@ -87,6 +90,15 @@ class MetricsHub:
             for tracker in self._external:
                 tracker.log(numbers, step=self._tracker_step)
 
+    def samples(self, rows: list[dict[str, Any]]) -> None:
+        """Append the decoded held-out rollouts of an eval (``source`` ``"eval"``) to
+        ``eval_samples.jsonl`` (a full disk: left out; ``metrics.jsonl`` reports it)."""
+        try:
+            with growing_file(self.run_dir, EVAL_SAMPLES_FILE).open("a") as f:
+                f.write("".join(json.dumps(row) + "\n" for row in rows))
+        except OSError:
+            pass
+
     def resume_at(self, step: int) -> int:
         """A run resumed from the checkpoint of ``step``: drop the rows of later steps (the dead
         run logged them, and they are about to be trained again), and the eval rows of ``step``
@@ -97,6 +109,8 @@ class MetricsHub:
         dropped."""
         self._file.close()
         try:
+            samples = growing_file(self.run_dir, EVAL_SAMPLES_FILE)
+            drop_rows_after(samples, step, eval_too=True)
             return drop_rows_after(self.path, step, eval_too=True)
         finally:
             self._file = self.path.open("a", buffering=1)

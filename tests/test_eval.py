@@ -166,3 +166,9 @@ def test_eval_all_scores_every_checkpoint_as_the_run_scored_it(cli, tmp_path, ti
     assert last["low"] <= logged[3][f"eval/{lesson}/reward"] <= last["high"]
     table = cli("eval", str(run), "--all")
     assert table.exit_code == 0 and "eval of each checkpoint" in table.output
+    # The run kept a few held-out samples of each eval (logging.samples_per_step), to read.
+    kept = [json.loads(line) for line in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in kept} == set(logged) and all(r["source"] == "eval" for r in kept)
+    shown = cli("samples", str(run), "--eval", "--step", "2")
+    assert shown.exit_code == 0, shown.output
+    assert "eval_samples.jsonl: step 2, " in shown.output

@@ -280,24 +280,23 @@ def checkpoints_table(results: list[dict[str, Any]]) -> Any:
 def read_samples(path: str, *, evals: bool, step: int | None) -> tuple[list[dict[str, Any]], str]:
     """The sample rows ``marinrl samples`` shows and where they came from: a ``samples.jsonl``
     file; a ``marinrl eval`` output directory; a run's training samples (``samples.jsonl``), or
-    with ``evals`` its ``marinrl eval`` results (``evals/step-N/``). Rows of ``step`` (``None``:
-    the last step there is)."""
+    with ``evals`` those of its evals (``eval_samples.jsonl``). Rows of ``step`` (``None``: the
+    last step there is)."""
     from marin_rl_core.errors import ConfigError
+    from marin_rl_core.metrics import EVAL_SAMPLES_FILE
     from marin_rl_core.rundir import run_path
 
     where = run_path(path)
     if where.is_file():
         file = where
     elif evals:
-        found = sorted((where / "evals").glob("step-*/samples.jsonl"))
-        if step is not None:
-            found = [f for f in found if f.parent.name == f"step-{step:06d}"]
-        if not found:
+        file = where / EVAL_SAMPLES_FILE
+        if not file.is_file():
             raise ConfigError(
-                f"{path} has no eval samples{'' if step is None else f' of step {step}'}: "
-                f"`marinrl eval {path}` writes them (evals/step-N/samples.jsonl)"
+                f"{path} has no {EVAL_SAMPLES_FILE}: a run keeps logging.samples_per_step "
+                "held-out samples of each lesson at each eval (`marinrl eval RUN` writes its own "
+                "to RUN/evals/step-N/, which `marinrl samples RUN/evals/step-N` shows)"
             )
-        file = found[-1]
     else:
         file = where / "samples.jsonl"
         if not file.is_file():
@@ -330,13 +329,13 @@ def samples_command(
     path: Annotated[
         str,
         typer.Argument(
-            help="A run directory (its training samples; --eval: its `marinrl eval` samples), "
-            "an eval's output directory, or a samples.jsonl file."
+            help="A run directory (its training samples; --eval: its evals' samples), a "
+            "`marinrl eval` output directory, or a samples.jsonl file."
         ),
     ],
     step: Annotated[int | None, typer.Option(help="The step (default: the last one).")] = None,
     evals: Annotated[
-        bool, typer.Option("--eval", help="A run's `marinrl eval` samples, not its training.")
+        bool, typer.Option("--eval", help="A run's held-out samples of its evals, not training.")
     ] = False,
     lesson: Annotated[str | None, typer.Option(help="Only this lesson's samples.")] = None,
     n: Annotated[int, typer.Option(min=1, help="Samples shown from each end.")] = 3,
@@ -366,7 +365,8 @@ def samples_command(
         console.print(
             f"{source}: step {rows[0].get('step')}, {len(rows)} samples, reward mean "
             f"{sum(rewards) / len(rewards):.3f} (min {min(rewards):.3f}, max {max(rewards):.3f}); "
-            + ("all of them" if shown is ranked else f"the best {n} and the worst {n}")
+            + ("all of them" if shown is ranked else f"the best {n} and the worst {n}"),
+            soft_wrap=True,
         )
         for i, row in enumerate(shown):
             if shown is not ranked and i == n:

@@ -305,7 +305,8 @@ class LoggingConfig:
             ``RUN_DIR/tensorboard/RUN_ID`` and needs ``pip install 'marin-rl[tensorboard]'``.
         log_every: log metrics every this many steps.
         samples_per_step: rollouts of each training batch written, decoded and with their
-            metadata, to ``samples.jsonl`` in the run directory (0: none).
+            metadata, to ``samples.jsonl`` in the run directory, and of each lesson at each
+            eval to ``eval_samples.jsonl`` (0: none; ``marinrl samples`` shows them).
     """
 
     progress: bool = True

@@ -371,6 +371,7 @@ class RolloutService(_SetUpError):
             weight_client=None,  # connected in run(), once the trainer's server is up
             curriculum=CurriculumProxy(curriculum),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
+            samples=lambda rows: hub.samples.remote(rows),
             model=initial_model,  # (colocated: the trainer's weights, handed over)
         )
         self.worker.warm_up()  # compiles while the trainer sets up

@@ -1,5 +1,7 @@
 """What users read of the rollouts the trainer trained on: ``samples.jsonl`` in the run directory,
-a few rollouts of each step (``logging.samples_per_step``) decoded, turn by turn."""
+a few rollouts of each step (``logging.samples_per_step``) decoded, turn by turn; the rollout
+workers' evals keep as many of each lesson's held-out rollouts the same way
+(``eval_samples.jsonl``, through the :class:`~marin_rl_core.metrics.MetricsHub`)."""
 
 from __future__ import annotations
 
@@ -10,27 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from marin_rl_core.sample_rows import sample_row
 from marin_rl_core.types import Rollout
-
-
-def sample_turns(rollout: Rollout, tokenizer: Any) -> list[dict[str, Any]]:
-    """Each turn of ``rollout`` decoded, as ``samples.jsonl`` shows it: the policy's
-    ``action``, the env's ``observation`` after it (empty after the last turn) and the turn's
-    ``reward``."""
-    turns = []
-    for (start, end), reward in zip(rollout.turn_spans(), rollout.turn_rewards.tolist()):
-        mask = rollout.loss_mask[start:end]
-        # An action is the run of sampled tokens the turn starts with; the rest is observation.
-        unsampled = np.flatnonzero(~mask)
-        split = start + (int(unsampled[0]) if unsampled.size else end - start)
-        turns.append(
-            {
-                "action": tokenizer.decode(rollout.tokens[start:split].tolist()),
-                "observation": tokenizer.decode(rollout.tokens[split:end].tolist()),
-                "reward": reward,
-            }
-        )
-    return turns
 
 
 def write_samples(path: Path, rollouts: Sequence[Rollout], *, step: int, tokenizer: Any) -> None:
@@ -39,25 +22,7 @@ def write_samples(path: Path, rollouts: Sequence[Rollout], *, step: int, tokeniz
         return
     with path.open("a") as f:
         for r in rollouts:
-            meta = r.metadata
-            row = {
-                "step": step,
-                "lesson": r.lesson_id,
-                "problem": r.problem_id,
-                "prompt": tokenizer.decode(r.prompt_tokens.tolist()),
-                "response": tokenizer.decode(r.response_tokens.tolist()),
-                "turns": sample_turns(r, tokenizer),
-                "part": r.part,
-                "reward": r.reward,
-                **({"reward_terms": dict(r.reward_terms)} if r.reward_terms else {}),
-                "truncated": r.truncated,
-                "worker_id": meta.worker_id if meta else None,
-                "worker": meta.worker_index if meta else None,
-                "batch": meta.batch_index if meta else None,
-                "weight_step": meta.weight_step if meta else None,
-                "timestamp": meta.timestamp if meta else None,
-            }
-            f.write(json.dumps(row) + "\n")
+            f.write(json.dumps(sample_row(r, tokenizer, step=step)) + "\n")
 
 
 def zero_variance_fraction(rollouts: list[Rollout]) -> float:

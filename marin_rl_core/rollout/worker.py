@@ -79,6 +79,7 @@ class RolloutWorker:
         curriculum: CurriculumPolicy,
         log: Callable[..., Any] | None = None,
         model: Any = None,
+        samples: Callable[[list[dict[str, Any]]], Any] | None = None,
     ):
         import jax
 
@@ -93,6 +94,7 @@ class RolloutWorker:
         self.weight_client = weight_client
         self.curriculum = curriculum
         self._log = log or (lambda metrics, *, step, source: None)
+        self._samples = samples or (lambda rows: None)  # eval samples: eval_samples.jsonl
         self._stop = threading.Event()
         tokenizer = model_tokenizer(config.model)
         # Read straight into the sampler's dtype: no float32 copy of a bfloat16 sampler's
@@ -286,6 +288,16 @@ class RolloutWorker:
             weight_step=step,
             worker_id=self.worker_id,
         )
+        from marin_rl_core.sample_rows import sample_row
+
+        keep = max(self.config.logging.samples_per_step, 0)
+        rows = [
+            {**sample_row(r, self.manager.tokenizer, step=step), "source": "eval"}
+            for _, batch in results.values()
+            for r in (batch.rollouts if batch is not None else [])[:keep]
+        ]
+        if rows:
+            self._samples(rows)
         metrics: dict[str, Any] = {}
         for lesson_id, (stats, _) in results.items():
             metrics[f"eval/{lesson_id}/n"] = stats.n_rollouts
