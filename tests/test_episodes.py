@@ -96,9 +96,9 @@ def _manager(env_name: str, *, modules=(), overrides=()):
 
 
 def test_multi_turn_rollouts_are_token_exact_and_the_trainer_agrees_with_the_sampler():
-    from marin_rl_core.sample_rows import sample_turns
     from marin_rl_core.learner.training_batch import training_batch_from_rollouts
     from marin_rl_core.models.logprobs import next_token_logprobs
+    from marin_rl_core.sample_rows import sample_turns
 
     manager, config = _manager("guess")
     tokenizer = manager.tokenizer
