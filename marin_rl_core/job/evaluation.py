@@ -147,10 +147,10 @@ def pretrained_policy(config: RLJobConfig) -> Policy:
 
 def sample_rows(
     manager: Any, lesson_id: str, settings: EvalSettings, *, step: int | None
-) -> tuple[list[list[dict[str, Any]]], bool, dict[str, float]]:
+) -> tuple[list[list[dict[str, Any]]], bool, int]:
     """Every sample of one lesson's held-out problems, one list of rows per problem (problems
     an env or a reward term could not finish are left out: counted in the batch's metrics);
-    whether the env says what an answer is (maj@k); the batch's metrics."""
+    whether the env says what an answer is (maj@k); how many problems were left out."""
     from marin_rl_core.models.tokenizer import response_stop_ids
     from marin_rl_core.rollout.reward_terms import response_text
 
@@ -162,6 +162,7 @@ def sample_rows(
     sampling = attrs.evolve(
         sampling, n_generations_per_prompt=settings.samples, temperature=temperature
     )
+    manager.last_episodes = ([], [])  # (a batch whose env could not pose problems sets none)
     _, metrics = manager.sample_batch(
         lesson_id,
         n_examples=settings.n_examples or config.eval.n_examples,
@@ -205,7 +206,9 @@ def sample_rows(
             if answer is not None:
                 row["answer"] = answer(problem, text)
             rows[-1].append(row)
-    return rows, answer is not None, metrics
+    posed = len(problems) + int(metrics.get("prompts_too_long", 0))
+    dropped = posed - len(rows) if problems else int(metrics.get("env_errors", 0))
+    return rows, answer is not None, dropped
 
 
 def evaluate_policy(
@@ -241,7 +244,7 @@ def evaluate_policy(
     try:
         what = "eval" if policy.step is None else f"eval step {policy.step}"
         for lesson_id in _progress(lessons, what):
-            rows, majority, metrics = sample_rows(manager, lesson_id, settings, step=policy.step)
+            rows, majority, dropped = sample_rows(manager, lesson_id, settings, step=policy.step)
             everything.extend(rows)
             majority_everywhere &= majority
             flat = [s for problem in rows for s in problem]
@@ -253,9 +256,7 @@ def evaluate_policy(
                 "reward": sum(s["reward"] for s in flat) / len(flat) if flat else None,
                 "n": len(flat),
                 "problems": len(rows),
-                "dropped": len(manager.last_episodes[0])
-                + int(metrics.get("prompts_too_long", 0))
-                - len(rows),
+                "dropped": dropped,
                 **means,
                 "stats": _as_dicts(summarize(rows, settings.ks, majority=majority)),
             }
