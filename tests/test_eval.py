@@ -172,3 +172,12 @@ def test_eval_all_scores_every_checkpoint_as_the_run_scored_it(cli, tmp_path, ti
     shown = cli("samples", str(run), "--eval", "--step", "2")
     assert shown.exit_code == 0, shown.output
     assert "eval_samples.jsonl: step 2, " in shown.output
+    # The run's policy on other lessons: --set over the run's config; its checkpoints untouched.
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    other = cli(
+        "eval", str(run), "--json", "--out", str(tmp_path / "other"), "--set",
+        'curriculum.lessons=[{id = "longer", env_config = {min_items = 5, max_items = 6}}]',
+    )  # fmt: skip
+    assert other.exit_code == 0, other.output
+    assert list(json.loads(other.stdout[other.stdout.index("{") :])["lessons"]) == ["longer"]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

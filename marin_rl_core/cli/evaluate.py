@@ -68,7 +68,8 @@ def eval_command(
         str | None,
         typer.Option(
             help="A Hugging Face checkpoint (a directory or a hub id) to evaluate instead of a "
-            "run, on --env and --set as `marinrl run` takes them."
+            "run, on --env and --set as `marinrl run` takes them (a run: they change its saved "
+            "config, to evaluate it on other lessons)."
         ),
     ] = None,
     env: EnvOpt = None,
@@ -175,7 +176,7 @@ def eval_command(
 
         _check_run(path)
         with _log_to_run(path, "eval.log"):
-            results, warnings = evaluate_all_checkpoints(path, registry, settings)
+            results, warnings = evaluate_all_checkpoints(path, registry, settings, **_other())
         for warning in warnings:
             typer.echo(f"warning: {warning}", err=True)
         run_dir = run_path(path)
@@ -191,16 +192,14 @@ def eval_command(
             typer.echo(results[0]["intervals"])
         typer.echo(f"plot: {where}\nsamples and results: {run_dir / 'evals'}/step-N/")
 
+    def _other() -> dict[str, Any]:
+        """What --config, --env and --set change of a run's config (other lessons or data)."""
+        return {"files": config or (), "selections": {"env": env}, "overrides": set_ or ()}
+
     def _check_run(path: str) -> None:
-        from marin_rl_core.errors import ConfigError
         from marin_rl_core.learner.checkpoint import run_config_file
         from marin_rl_core.rundir import run_path
 
-        if env is not None or set_ or config:
-            raise ConfigError(
-                "--env, --set and --config choose what --model is evaluated on; a run is "
-                "evaluated on its own lessons"
-            )
         where = run_path(path)
         if not any((d / "config.toml").is_file() for d in (where, where.parent.parent)):
             # Neither a run nor one of its checkpoints: say so before loading anything (and
@@ -214,7 +213,9 @@ def eval_command(
         _check_run(path)
         try:
             with _log_to_run(path, "eval.log"):
-                return evaluate_checkpoint(path, registry, settings=settings, out_dir=out)
+                return evaluate_checkpoint(
+                    path, registry, settings=settings, out_dir=out, **_other()
+                )
         except FileNotFoundError as exc:
             raise ConfigError(str(exc)) from None
 

@@ -69,9 +69,18 @@ class Policy:
     warnings: tuple[str, ...] = ()
 
 
-def run_policy(path: str | Path, registry: Registry) -> Policy:
+def run_policy(
+    path: str | Path,
+    registry: Registry,
+    *,
+    files: Sequence[str | Path] = (),
+    selections: dict[str, str | None] | None = None,
+    overrides: Sequence[str] = (),
+) -> Policy:
     """The policy of ``path``: a run directory (its newest checkpoint that can be read; damaged
-    newer ones are skipped and named in ``warnings``) or one of its checkpoints."""
+    newer ones are skipped and named in ``warnings``) or one of its checkpoints. Its config is the
+    run's, with ``files``, ``selections`` (``--env``) and ``overrides`` (``--set``) over it: the
+    same policy evaluated on other lessons or data."""
     from marin_rl_core.config.loading import resolve_config
     from marin_rl_core.learner.checkpoint import CheckpointError, latest_checkpoint, load_newest
     from marin_rl_core.learner.lora_checkpoint import check_base
@@ -83,7 +92,12 @@ def run_policy(path: str | Path, registry: Registry) -> Policy:
         run_dir, candidates = path.parent.parent, [resolve_checkpoint(path)]
     else:
         run_dir, candidates = path, []
-    config = resolve_config(registry, files=[run_config_file(run_dir)])
+    config = resolve_config(
+        registry,
+        files=[run_config_file(run_dir), *files],
+        selections=selections,
+        overrides=overrides,
+    )
     tokenizer = model_tokenizer(config.model)
     # A LoRA run's adapters belong on the base they name: a changed base is refused first
     # (not taken for a damaged checkpoint).
@@ -303,25 +317,27 @@ def evaluate_checkpoint(
     n_examples: int | None = None,
     settings: EvalSettings | None = None,
     out_dir: Path | None = None,
+    **config: Any,
 ) -> dict[str, Any]:
-    """Score ``path`` (a run directory or one of its checkpoints) on every lesson of its run
-    (:func:`evaluate_policy`); results and samples go to ``out_dir``, by default
-    ``<run>/evals/step-<N>``."""
+    """Score ``path`` (a run directory or one of its checkpoints) on every lesson of its run, or
+    other lessons (``config``: as :func:`run_policy` takes it) (:func:`evaluate_policy`); results
+    and samples go to ``out_dir``, by default ``<run>/evals/step-<N>``."""
     settings = settings or EvalSettings()
     if n_examples is not None:
         settings = attrs.evolve(settings, n_examples=n_examples)
-    policy = run_policy(path, registry)
+    policy = run_policy(path, registry, **config)
     if out_dir is None and policy.run_dir is not None and policy.run_dir.exists():
         out_dir = policy.run_dir / "evals" / f"step-{policy.step:06d}"
     return evaluate_policy(policy, registry, settings, out_dir)
 
 
 def evaluate_all_checkpoints(
-    run_dir: str | Path, registry: Registry, settings: EvalSettings
+    run_dir: str | Path, registry: Registry, settings: EvalSettings, **config: Any
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Every complete checkpoint of a run, oldest first (:func:`evaluate_policy`, one engine
     for all of them; each step's samples and results in ``<run>/evals/step-N/``). Returns the
-    results and warnings (a damaged checkpoint is skipped, named)."""
+    results and warnings (a damaged checkpoint is skipped, named). ``config``: as
+    :func:`run_policy` takes it (other lessons or data)."""
     from marin_rl_core.learner.checkpoint import CheckpointError, checkpoints_newest_first
     from marin_rl_core.rollout.manager import RolloutManager
 
@@ -335,7 +351,7 @@ def evaluate_all_checkpoints(
     try:
         for checkpoint in _progress([str(c) for c in checkpoints], "checkpoints", "checkpoint"):
             try:
-                policy = run_policy(checkpoint, registry)
+                policy = run_policy(checkpoint, registry, **config)
             except CheckpointError as exc:
                 warnings.append(f"{Path(checkpoint).name}: {exc}; skipped")
                 logger.warning("eval --all: %s skipped", checkpoint, exc_info=True)
