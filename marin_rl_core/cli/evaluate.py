@@ -126,8 +126,9 @@ def eval_command(
 
         if (checkpoint is None) == (model is None):
             raise ConfigError(
-                "give a run (or one of its checkpoints) or --model HF_CHECKPOINT, not both: "
-                "`marinrl eval runs/rl-1` or `marinrl eval --model DIR --env math`"
+                "give a run (or one of its checkpoints) or --model HF_CHECKPOINT"
+                + (", not both" if model is not None else "")
+                + ": `marinrl eval runs/rl-1` or `marinrl eval --model DIR --env math`"
             )
         ks = tuple(k) if k else tuple(dict.fromkeys((1, samples)))
         settings = EvalSettings(
