@@ -166,7 +166,7 @@ def sample_rows(
     an env or a reward term could not finish are left out: counted in the batch's metrics);
     whether the env says what an answer is (maj@k); how many problems were left out."""
     from marin_rl_core.models.tokenizer import response_stop_ids
-    from marin_rl_core.rollout.reward_terms import response_text
+    from marin_rl_core.rollout.reward_terms import TERM_METRIC_PREFIX, response_text
 
     config = manager.config
     sampling = config.eval_sampling_for(manager.lessons[lesson_id])
@@ -195,7 +195,11 @@ def sample_rows(
     for problem, episodes in zip(problems, results, strict=True):
         if any(e.failure is not None or not e.rollouts for e in episodes):
             continue
-        if any(f"reward/{t.name}" not in e.metrics for e in episodes for t in config.reward.terms):
+        if any(
+            TERM_METRIC_PREFIX + t.name not in e.metrics
+            for e in episodes
+            for t in config.reward.terms
+        ):
             continue  # a reward term could not grade it
         rows.append([])
         for k, episode in enumerate(episodes):
