@@ -181,3 +181,14 @@ def test_eval_all_scores_every_checkpoint_as_the_run_scored_it(cli, tmp_path, ti
     assert other.exit_code == 0, other.output
     assert list(json.loads(other.stdout[other.stdout.index("{") :])["lessons"]) == ["longer"]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_an_eval_that_cannot_write_its_results_says_so_before_sampling(cli, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # --out under a file: nothing can be written there
+    model = write_tiny_hf_checkpoint(tmp_path / "model", "qwen3")
+    result = cli("eval", "--model", str(model), "--env", "math", "--out", str(blocked / "out"))
+    assert result.exit_code == 3, result.output
+    assert (
+        "cannot write the eval's results to" in result.output and "Traceback" not in result.output
+    )

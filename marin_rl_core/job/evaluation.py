@@ -250,6 +250,8 @@ def evaluate_policy(
 
     config = policy.config
     lessons = [lesson.id for lesson in config.curriculum.lessons]
+    if out_dir is not None:  # refused before any sampling, not after it
+        _writable(out_dir)
     own = manager is None
     if own:
         manager = RolloutManager(config, registry, model=policy.model, tokenizer=policy.tokenizer)
@@ -302,6 +304,21 @@ def evaluate_policy(
         (out_dir / "results.json").write_text(json.dumps(out, indent=2) + "\n")
         out["out_dir"] = str(out_dir)
     return out
+
+
+def _writable(out_dir: Path) -> None:
+    from marin_rl_core.errors import ConfigError
+
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / ".marinrl-write-check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the eval's results to {out_dir} ({exc.strerror or exc}): give --out "
+            "a directory you can write (free space, permissions)"
+        ) from None
 
 
 def _as_dicts(stats: dict[str, Any]) -> dict[str, Any]:
