@@ -255,6 +255,37 @@ def check_run_dir_filesystem(run_dir: str) -> None:
         ) from None
 
 
+def check_run_dir_writable(run_dir: Path) -> None:
+    """Refuse a local run directory that cannot be created or written (a file in its path, a
+    directory this user may not write, a read-only filesystem) before the job starts Ray and
+    its workers, writing nothing: the nearest part of the path that exists must be a directory
+    this process may write to. (What a write meets later, a full disk, is still told then.)
+
+    Raises:
+        RunDirError: naming the path and the fix, as a failed write would.
+    """
+    import os
+
+    if is_remote(run_dir):
+        return
+    existing = Path(run_dir)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        exc = OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(existing))
+        raise run_dir_error(exc, Path(run_dir), resumable=False)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        code = errno.EROFS if _read_only(existing) else errno.EACCES
+        raise run_dir_error(OSError(code, os.strerror(code), str(existing)), Path(run_dir),
+                            resumable=False)  # fmt: skip
+
+
+def _read_only(path: Path) -> bool:
+    import os
+
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+
+
 def bucket_error(exc: BaseException, run_dir: Any) -> RunDirError:
     """A :class:`RunDirError` for a run directory on a bucket that cannot be written (no such
     bucket, no credentials, no answer), with the fix."""

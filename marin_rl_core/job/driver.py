@@ -53,6 +53,7 @@ from marin_rl_core.job.checks import (
     check_model,
     check_resources,
     check_run_dir_filesystem,
+    check_run_dir_writable,
     first_line,
     preflight_problems,
     probe_ray_address,
@@ -123,6 +124,7 @@ class RLJob:
         # run on a bucket (gs://...) appends its logs and metrics in a local copy, uploaded.
         self.run_dir = absolute(config.run_dir) / self.run_id
         self.local_dir = local_copy(self.run_dir)
+        check_run_dir_writable(self.run_dir)  # before Ray and the workers start
         self._auth_mode: Any = _UNSET
         self._log_handler: logging.Handler | None = None
         self.validate()
