@@ -123,9 +123,11 @@ def _ray_logs_to_current_stderr() -> None:
             handler.stream = _CurrentStderr()  # type: ignore[attr-defined]  (setStream flushes the old one)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def cli() -> Callable[..., object]:
-    """Invoke ``marinrl`` in-process: ``cli("plugins", "list")`` returns a click Result."""
+    """Invoke ``marinrl`` in-process: ``cli("plugins", "list")`` returns a click Result. (Each
+    invocation is isolated; session-wide so that module fixtures can run a job for several
+    tests.)"""
     from marin_rl_core.cli.app import app
 
     runner = CliRunner()
@@ -160,11 +162,12 @@ def start_local_ray() -> Callable[[int], None]:
     return start
 
 
-@pytest.fixture
-def tiny_mock_job() -> list[str]:
+@pytest.fixture(scope="session")
+def tiny_mock_job() -> tuple[str, ...]:
     """``marinrl run`` arguments of the smallest job the CLI tests run: the mock env, batches of
-    32, eval only at the start and the end (append ``--set``/``--run-id`` as needed)."""
-    return [
+    32, eval only at the start and the end (append ``--set``/``--run-id`` as needed). A tuple:
+    module fixtures that run one job for several tests use it too."""
+    return (
         "--env",
         "mock",
         "--set",
@@ -175,7 +178,7 @@ def tiny_mock_job() -> list[str]:
         "eval.n_examples=8",
         "--set",
         "eval.frequency=100",
-    ]
+    )
 
 
 @pytest.fixture(scope="module")

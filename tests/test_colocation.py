@@ -230,6 +230,8 @@ def test_colocated_jobs_run_every_kind_of_plugin(tmp_path, loss, env, storage):
         tmp_path, "--loss", loss, "--env", env, "--storage", storage,
         "--set", "resources.colocate=true", "--set", "trainer.num_train_steps=3",
         "--set", "trainer.batch_size=64", "--set", "eval.frequency=100",
+        # The guess lessons sample 32 prompts a batch of their own; 8 fill a batch of 64.
+        "--set", "curriculum.lessons[0].sampling.n_prompts=8",
         "--set", "eval.n_examples=8",  # an eval at the end is what is checked, not its score
         "--set", f'run_dir="{tmp_path}"', "--run-id", "c",
     )  # fmt: skip

@@ -535,14 +535,28 @@ def test_sigterm_stops_cleanly_with_a_checkpoint(tmp_path, tiny_mock_job, group)
     assert 1 <= state["step"] < 1000
 
 
-def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path, tiny_mock_job):
-    run_dir = tmp_path / "damaged"
-    common = [*tiny_mock_job, "--set", "trainer.checkpoint_interval_steps=1"]
+@pytest.fixture(scope="module")
+def two_step_run(cli, tiny_mock_job, tmp_path_factory):
+    """A finished 2-step run with a checkpoint after each step (and what `marinrl run` printed,
+    progress bar on as by default); each test resumes its own copy (a run goes on wherever it
+    was moved)."""
+    runs = tmp_path_factory.mktemp("runs")
     result = cli(
-        "run", *common, "--set", f'run_dir="{tmp_path}"', "--run-id", "damaged",
-        "--set", "trainer.num_train_steps=2",
+        "run", *tiny_mock_job, "--set", "trainer.checkpoint_interval_steps=1",
+        "--set", f'run_dir="{runs}"', "--run-id", "two", "--set", "trainer.num_train_steps=2",
     )  # fmt: skip
     assert result.exit_code == 0, result.output
+    return runs / "two", result.output
+
+
+def _copy_of(run: Path, where: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(run, where / run.name))
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path, two_step_run):
+    run_dir = _copy_of(two_step_run[0], tmp_path)
     newest = run_dir / "checkpoints" / "step-000002"
     # A truncated array: every file of the model's embedding table cut to nothing.
     arrays = [p for p in (newest / "model").rglob("*") if p.is_file() and p.stat().st_size > 0]
@@ -597,17 +611,12 @@ def test_a_late_event_loop_is_closed_report_stays_off_the_console(tmp_path):
 
 
 def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
-    cli, tmp_path, tiny_mock_job
+    cli, tmp_path, two_step_run
 ):
     """`--resume RUN --set model.hidden_dim=128` cannot load RUN's checkpoints: it is refused
     before anything is written, naming the setting, and the run stays resumable as it was."""
-    run_dir = tmp_path / "shape"
-    result = cli(
-        "run", *tiny_mock_job, "--set", f'run_dir="{tmp_path}"', "--run-id", "shape",
-        "--set", "trainer.num_train_steps=1",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    assert "train:" in result.output  # the progress bar, on by default
+    run_dir = _copy_of(two_step_run[0], tmp_path)
+    assert "train:" in two_step_run[1]  # the progress bar, on by default
     saved = (run_dir / "config.toml").read_bytes()
     log = (run_dir / "driver.log").read_bytes()
     for change, named in (
@@ -623,13 +632,13 @@ def test_a_resume_that_changes_the_models_shape_is_refused_and_the_run_kept(
         assert (run_dir / "driver.log").read_bytes() == log
     # A change that keeps the checkpoints loadable still resumes (and is saved).
     resumed = cli(
-        "run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=2",
+        "run", "--resume", str(run_dir), "--set", "trainer.num_train_steps=3",
         "--set", "logging.progress=false",
     )  # fmt: skip
     assert resumed.exit_code == 0, resumed.output
     assert "train:" not in resumed.output  # logging.progress=false: no bar
-    assert _train_steps(run_dir) == [1, 2]
-    assert "num_train_steps = 2" in (run_dir / "config.toml").read_text()
+    assert _train_steps(run_dir) == [1, 2, 3]
+    assert "num_train_steps = 3" in (run_dir / "config.toml").read_text()
 
 
 def test_a_job_that_cannot_make_progress_is_stopped_by_the_watchdog(cli, tmp_path):
@@ -844,12 +853,24 @@ def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(cli, tmp_path,
     assert "writing to" not in result.output, "nothing was written: the run is not announced"
 
 
-def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job):
+def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job, monkeypatch):
+    """Said before the job starts Ray and its workers (seconds on a small machine), as what a
+    write would meet: a file where a directory of the path should be."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a run directory that cannot be written")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    result = cli("run", *tiny_mock_job, "--set", f'run_dir="{blocker}"', "--run-id", "x")
-    assert result.exit_code == ExitCode.RUN_DIR, result.output
-    assert f"cannot write {blocker}" in result.output and "Traceback" not in result.output
+    for run_dir in (blocker, blocker / "runs"):
+        result = cli("run", *tiny_mock_job, "--set", f'run_dir="{run_dir}"', "--run-id", "x")
+        assert result.exit_code == ExitCode.RUN_DIR, result.output
+        out = " ".join(result.output.split())
+        assert f"cannot write {blocker}" in out and "a file is in the way" in out, out
+        assert "Traceback" not in result.output
+    assert blocker.read_text() == "not a directory"
 
 
 def test_resume_needs_a_run_directory(cli, tmp_path, monkeypatch):

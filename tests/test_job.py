@@ -158,6 +158,8 @@ def test_a_multi_turn_job_trains_on_packed_rows_and_logs_its_turns(ray_session, 
         "trainer.num_train_steps=3",
         "trainer.pack_rollouts=true",
         "replay_buffer.max_rollout_step_delay=1",
+        # The guess lesson samples 32 prompts a batch of its own; a batch of 32 rows needs 4.
+        "curriculum.lessons[0].sampling.n_prompts=4",
     ).run(progress=False)
     assert result.final_step == 3
     rows = read_metrics(tmp_path / "game")

@@ -302,6 +302,8 @@ def test_samplers_apart_receive_the_adapters_alone_and_sample_the_trainers_polic
         "--set", "model.lora.rank=4", "--set", "loss.kl_coef=0.05",
         "--set", "trainer.learning_rate=0.05", "--set", "trainer.num_train_steps=3",
         "--set", "resources.colocate=false", "--set", "replay_buffer.max_rollout_step_delay=0",
+        # (the guess lesson's own 32 prompts a batch: 4 fill the trainer's batch of 32)
+        "--set", "curriculum.lessons[0].sampling.n_prompts=4",
         "--set", f'run_dir="{tmp_path}"', "--run-id", "apart",
     )  # fmt: skip
     assert result.exit_code == 0, result.output

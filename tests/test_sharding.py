@@ -292,6 +292,7 @@ def test_the_guides_four_device_command_trains_on_a_sharded_mesh(tmp_path):
     argv = command[start:]
     assert argv[:2] == ["marinrl", "run"] and env["XLA_FLAGS"].endswith("device_count=4")
     small = ["trainer.num_train_steps=3", "eval.n_examples=8", "eval.frequency=100"]
+    small += ["sampling.n_prompts=8"]  # 8 x 8 samples: the guide's batch of 64, not 256
     small += [f'run_dir="{tmp_path}"']
     proc = subprocess.run(
         [sys.executable, "-m", "marin_rl_core", *argv[1:], "--run-id", "mesh"]
@@ -317,6 +318,7 @@ def test_a_colocated_job_trains_and_samples_over_all_four_devices_of_its_process
     settings = [
         "resources.colocate=true",
         "trainer.batch_size=64",
+        "sampling.n_prompts=8",  # 8 x 8 samples: one batch of 64
         "trainer.mesh.tensor_parallel=2",
         "model.inference_tensor_parallel=2",
         "trainer.num_train_steps=3",

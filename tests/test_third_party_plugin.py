@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -78,15 +79,17 @@ def installed_reference_engine(tmp_path_factory: pytest.TempPathFactory) -> Path
     return pip_install(REFERENCE_ENGINE, tmp_path_factory.mktemp("site"))
 
 
-def site_env(site: Path) -> dict[str, str]:
-    """The environment of a process that sees the packages installed in ``site``."""
+def site_env(site: Path | tuple[Path, ...]) -> dict[str, str]:
+    """The environment of a process that sees the packages installed in ``site`` (or in each
+    of several sites)."""
+    sites = [str(s) for s in (site if isinstance(site, tuple) else (site,))]
     return {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([*sites, os.environ.get("PYTHONPATH", "")]),
     }
 
 
-def marinrl(site: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def marinrl(site: Path | tuple[Path, ...], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "marin_rl_core", *args],
         capture_output=True,
@@ -238,12 +241,23 @@ def test_the_custom_loss_example_passes_its_own_tests(installed_reinforce):
     run_own_tests(REINFORCE, installed_reinforce)
 
 
-def test_the_custom_loss_example_trains_through_marinrl_run(
-    installed_reinforce, tiny_mock_job, tmp_path
+@pytest.fixture(scope="module")
+def loss_and_storage_run(
+    installed_reinforce, installed_sqlite_storage, tiny_mock_job, tmp_path_factory
 ):
-    _, train = train_rows_of_a_run(
-        installed_reinforce, tiny_mock_job, tmp_path, "custom-loss", 6, "--loss", "reinforce"
-    )
+    """One ``marinrl run --loss reinforce --storage sqlite`` of 3 steps, in a process that sees
+    both example packages: two third-party plugins of different kinds in one job, as a user
+    combines them. The custom-loss and custom-storage tests each check their plugin's part."""
+    return train_rows_of_a_run(
+        (installed_reinforce, installed_sqlite_storage), tiny_mock_job,
+        tmp_path_factory.mktemp("runs"), "loss-and-storage", 3,
+        "--loss", "reinforce", "--storage", "sqlite",
+    )  # fmt: skip
+
+
+def test_the_custom_loss_example_trains_through_marinrl_run(loss_and_storage_run):
+    run_dir, train = loss_and_storage_run
+    assert tomllib.loads((run_dir / "config.toml").read_text())["loss"]["name"] == "reinforce"
     # The loss's own per-token metric, weighed over each step by the framework.
     assert all(0 < r["importance_weight"] <= 2.0 for r in train)
     assert all(r["num_tokens"] > 0 for r in train)
@@ -258,17 +272,13 @@ def test_the_custom_storage_example_passes_its_own_tests(installed_sqlite_storag
     run_own_tests(SQLITE_STORAGE, installed_sqlite_storage)
 
 
-def test_the_custom_storage_example_carries_a_run_through_marinrl_run(
-    installed_sqlite_storage, tiny_mock_job, tmp_path
-):
+def test_the_custom_storage_example_carries_a_run_through_marinrl_run(loss_and_storage_run):
     """``marinrl run --storage sqlite``: the trainer and the rollout worker, each in its own Ray
     process, meet through the run directory's SQLite file."""
     import sqlite3
 
-    run_dir, _ = train_rows_of_a_run(
-        installed_sqlite_storage, tiny_mock_job, tmp_path, "custom-storage", 3,
-        "--storage", "sqlite",
-    )  # fmt: skip
+    run_dir, _ = loss_and_storage_run
+    assert tomllib.loads((run_dir / "config.toml").read_text())["storage"]["name"] == "sqlite"
     with sqlite3.connect(run_dir / "rollouts.sqlite") as db:
         (stored,) = db.execute("SELECT COUNT(*) FROM batches").fetchone()
     assert stored >= 1
@@ -288,8 +298,6 @@ def test_the_custom_engine_example_passes_its_own_tests(installed_reference_engi
 def test_the_custom_engine_example_samples_a_run_through_marinrl_run(
     installed_reference_engine, tiny_mock_job, tmp_path
 ):
-    import tomllib
-
     run_dir, _ = train_rows_of_a_run(
         installed_reference_engine, tiny_mock_job, tmp_path, "custom-engine", 2,
         "--engine", "reference",
