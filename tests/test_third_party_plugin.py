@@ -329,6 +329,8 @@ def test_the_unmodified_agent_script_trains_through_marinrl_run(
     settings = [
         f'model.checkpoint="{checkpoint}"', "model.max_seq_len=640", "trainer.num_train_steps=2",
         "trainer.batch_size=8", "eval.n_examples=2",
+        # 2 prompts x the lesson's 4 samples: one batch of 8 episodes (agent processes), not 16
+        "curriculum.lessons[0].sampling.n_prompts=2",
         "eval.frequency=100", f'run_dir="{tmp_path}"',
     ]  # fmt: skip
     result = marinrl(
@@ -370,6 +372,7 @@ def test_the_judged_env_example_learns_what_its_judge_asks_for(installed_describ
     with JudgeServer(target=6, delay_s=0.0) as judge:
         small = [
             "trainer.num_train_steps=40", "eval.n_examples=32", "eval.frequency=40",
+            "trainer.batch_size=128", "sampling.n_prompts=16",  # 0.76 and 6.7 chars: learns as at 256
             f'run_dir="{tmp_path}"', f'reward.terms[0].config.url="{judge.url}"',
             f'reward.terms[0].config.cache="{tmp_path / "judge.sqlite"}"',
         ]  # fmt: skip
