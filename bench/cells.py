@@ -68,7 +68,7 @@ def run_in_child() -> tuple[list[dict[str, Any]], bool]:
             stopped = True
     except KeyboardInterrupt:
         stopped = True
-        print("stopped (time limit or Ctrl-C): the table has the cells measured so far", flush=True)
+        print("stopped (time limit or Ctrl-C): what finished is reported, the rest not", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if child.poll() is None:

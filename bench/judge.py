@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import cells  # noqa: E402
 from smollm2 import smollm2_checkpoint  # noqa: E402
 
 RUBRIC = """Rate this description of a {prompt} from 0 (wrong) to 9 (true and short).
@@ -103,12 +104,8 @@ def transformers_replies(path: Path, judge, pairs, max_tokens: int) -> tuple[lis
     return replies, seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, default=32, help="descriptions in the batch")
-    parser.add_argument("--max-tokens", type=int, default=4, help="the judge's reply budget")
-    args = parser.parse_args()
-
+def measure(args: argparse.Namespace) -> None:
+    """In the measuring child (``bench/cells.py``): each figure printed once measured."""
     from marin_rl_plugins.judge import Judge, JudgeConfig
 
     path = smollm2_checkpoint()
@@ -118,21 +115,22 @@ def main() -> None:
     )  # fmt: skip
     judge = Judge(config)
     pairs = batch(args.n)
+    print(f"SmolLM2-135M-Instruct as a judge, {args.n} descriptions, {args.max_tokens} tokens each")
     start = time.perf_counter()
     judge.replies(items(pairs))  # loads the model and compiles the batch's shapes
-    first = time.perf_counter() - start
+    print(f"local judge: first batch {time.perf_counter() - start:.1f} s (load + compile)")
     start = time.perf_counter()
     judge.replies(items(batch(args.n, seed=1)))  # new prompt lengths: may compile a prefill
-    other = time.perf_counter() - start
+    print(f"local judge: a batch of other lengths {time.perf_counter() - start:.1f} s")
     start = time.perf_counter()
     mine = judge.replies(items(pairs))  # no cache: asked again, on compiled shapes
     local_s = time.perf_counter() - start
+    print(f"local judge: the first batch again {local_s:.2f} s", flush=True)
     grades = [judge._grade(r) if r is not None else None for r in mine]
     theirs, hf_s = transformers_replies(path, judge, pairs, args.max_tokens)
 
     same = sum(a == b for a, b in zip(mine, theirs, strict=True))
     graded = sum(g is not None for g in grades)
-    print(f"SmolLM2-135M-Instruct as a judge, {args.n} descriptions, {args.max_tokens} tokens each")
     print(f"{'animal':7} {'description':40} {'reply':10} grade")
     for (animal, text), reply, grade in list(zip(pairs, mine, grades, strict=True))[:8]:
         shown = "-" if grade is None else f"{grade:.2f}"
@@ -144,12 +142,18 @@ def main() -> None:
         print(f"mean grade of {name} descriptions: {mean} ({len(got)} graded)")
     print(f"replies with a grade: {graded}/{args.n}")
     print(f"replies equal to transformers': {same}/{args.n}")
-    print(
-        f"local judge: first batch {first:.1f} s (load + compile), a batch of other lengths "
-        f"{other:.1f} s, the first batch again {local_s:.2f} s"
-    )
     print(f"transformers generate: {hf_s:.2f} s")
     print(f"speed-up over transformers: {hf_s / local_s:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=32, help="descriptions in the batch")
+    parser.add_argument("--max-tokens", type=int, default=4, help="the judge's reply budget")
+    # Measured in a child process: a time limit or Ctrl-C stops it at once, mid-batch too,
+    # the figures printed so far standing.
+    if cells.measure_in_child(measure, parser.parse_args()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import cells  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -287,7 +292,13 @@ def run_seed(args: argparse.Namespace, seed: int, deadline: float) -> dict:
 
 
 def main() -> None:
-    args = parse_args()
+    # Measured in a child process (bench/cells.py): a time limit or Ctrl-C stops it at once,
+    # mid-step too, the lines printed so far standing.
+    if cells.measure_in_child(probe, parse_args()):
+        sys.exit(1)
+
+
+def probe(args: argparse.Namespace) -> None:
     print("settings " + json.dumps(vars(args)), flush=True)
     deadline = time.perf_counter() + args.total_time_limit
     summaries = []

@@ -214,21 +214,43 @@ class PeakMemory:
 
 
 def run_measured(
-    command: list[str], env: dict | None = None, lines: list[str] | None = None
+    command: list[str],
+    env: dict | None = None,
+    lines: list[str] | None = None,
+    *,
+    own_group: bool = False,
 ) -> tuple[int, float, PeakMemory]:
     """Run ``command``, sampling its processes' resident memory; its output is printed as it
-    comes and, with ``lines``, kept there."""
+    comes and, with ``lines``, kept there. ``own_group``: the command runs in a process group of
+    its own, killed whole at once on ``timeout``'s SIGTERM or a Ctrl-C (a compiled JAX call runs
+    to its end before Python sees a signal), and the bench stops with what it printed;
+    otherwise (``marinrl run``) the command shares this group and stops as it does."""
+    import signal
+
     start = time.monotonic()
     proc = subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=own_group,
+    )  # fmt: skip
     peak = PeakMemory(proc.pid)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) if own_group else None
     assert proc.stdout is not None
-    for line in proc.stdout:
-        print(line, end="", flush=True)
-        if lines is not None:
-            lines.append(line)
-    code = proc.wait()
+    try:
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            if lines is not None:
+                lines.append(line)
+        code = proc.wait()
+    except KeyboardInterrupt:
+        if not own_group:
+            raise
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        peak.stop()
+        sys.exit("stopped (time limit or Ctrl-C): the figures above are those measured")
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     peak.stop()
     return code, time.monotonic() - start, peak
 
@@ -288,7 +310,7 @@ def main() -> None:
             "--repeats", str(args.repeats), "--json", str(out),
         ] + [f"--set={o}" for o in args.overrides]  # fmt: skip
         print(f"\n== learner{' and sampler' if devices == 1 else ''} on {devices} device(s)")
-        code, seconds, peak = run_measured(command)
+        code, seconds, peak = run_measured(command, own_group=True)
         if code:
             sys.exit(f"the figures process on {devices} device(s) failed (exit {code})")
         results[devices] = json.loads(out.read_text())
