@@ -2,15 +2,16 @@
 checkpoints) in one process or as one process of a trainer group; used by
 tests/test_trainer_group.py.
 
-    python tests/group_trainer.py DEVICES RUN_DIR ROLLOUTS_DIR STEPS OUT.json
-                                  [--group COORDINATOR,PROCESSES,PROCESS_ID] [--lora RANK]
+    python tests/group_trainer.py DEVICES STEPS --run RUN_DIR,ROLLOUTS_DIR,OUT.json,LORA_RANK
+                                  [--run ...] [--group COORDINATOR,PROCESSES,PROCESS_ID]
 
-The rollouts are read from the ``gcs`` storage on the local directory ROLLOUTS_DIR (written by
-the test before). Process 0 reads them, serves weights with ``arrow_flight`` and, after the
-run, receives them back as a rollout worker would; the others follow it. Process 0 writes
-OUT.json: the step reached, each step's loss, the final parameters (a checksum per leaf) and
-those of the weights received. With ``--lora RANK`` the policy trains LoRA adapters, and what
-is published and received is the adapters alone.
+Each ``--run`` is one training run, one after the other in the same process (or group: a process
+start and ``jax.distributed``'s join paid once). The rollouts are read from the ``gcs`` storage
+on the local directory ROLLOUTS_DIR (written by the test before). Process 0 reads them, serves
+weights with ``arrow_flight`` and, after the run, receives them back as a rollout worker would;
+the others follow it. Process 0 writes OUT.json: the step reached, each step's loss, the final
+parameters (a checksum per leaf) and those of the weights received. With a LORA_RANK above 0 the
+policy trains LoRA adapters, and what is published and received is the adapters alone.
 """
 
 from __future__ import annotations
@@ -24,18 +25,10 @@ import sys
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("devices", type=int)
-    parser.add_argument("run_dir")
-    parser.add_argument("rollouts")
     parser.add_argument("steps", type=int)
-    parser.add_argument("out")
+    parser.add_argument("--run", action="append", required=True)
     parser.add_argument("--group", default="")
-    parser.add_argument("--lora", type=int, default=0)
     args = parser.parse_args()
-    import faulthandler
-
-    faulthandler.dump_traceback_later(
-        int(os.environ.get("GROUP_TRAINER_HANG_S", "240")), exit=True
-    )  # a hang shows where, then exits
     # After the XLA flags this process inherits (the suite's quick compile): the last
     # value of a flag wins.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -47,12 +40,25 @@ def main() -> None:
         coordinator, processes, process_id = args.group.split(",")
         multihost.join(coordinator, int(processes), int(process_id), timeout_s=120)
 
+    import faulthandler
+
+    for run in args.run:
+        run_dir, rollouts, out, lora = run.split(",")
+        faulthandler.dump_traceback_later(
+            int(os.environ.get("GROUP_TRAINER_HANG_S", "240")), exit=True
+        )  # a hang shows where, then exits
+        train(run_dir, rollouts, args.steps, out, int(lora))
+    faulthandler.cancel_dump_traceback_later()
+
+
+def train(run_dir: str, rollouts: str, steps: int, out: str, lora: int) -> None:
     import equinox as eqx
     import jax
     import numpy as np
 
     from marin_rl_core import build_registry
     from marin_rl_core.config import resolve_config
+    from marin_rl_core.learner import multihost
     from marin_rl_core.learner.trainer import Trainer
     from marin_rl_core.types import RunInfo
 
@@ -62,7 +68,7 @@ def main() -> None:
         selections={"env": "mock", "loss": "rloo", "storage": "gcs"},
         overrides=[
             "trainer.batch_size=8",
-            f"trainer.num_train_steps={args.steps}",
+            f"trainer.num_train_steps={steps}",
             "trainer.checkpoint_interval_steps=2",
             "trainer.warmup_steps=0",
             "trainer.adam_eps=0.01",
@@ -70,23 +76,23 @@ def main() -> None:
             "replay_buffer.max_rollout_step_delay=1000",
             "loss.kl_coef=0.1",
             "sampling.n_generations_per_prompt=2",
-            f'storage.url="{args.rollouts}"',
-            f"model.lora.rank={args.lora}",
-            *(["trainer.learning_rate=0.01"] if args.lora else []),
+            f'storage.url="{rollouts}"',
+            f"model.lora.rank={lora}",
+            *(["trainer.learning_rate=0.01"] if lora else []),
         ],
     )
     leader = multihost.is_leader()
     storage = server = None
     if leader:
         record = registry.get("storage", "gcs")
-        storage = record.build(config.storage.config, RunInfo(run_id="r", run_dir=args.run_dir))
+        storage = record.build(config.storage.config, RunInfo(run_id="r", run_dir=run_dir))
         transfer = registry.get("weight_transfer", "arrow_flight")
         server = transfer.build(transfer.config_class()).server()
     losses: dict[int, float] = {}
     trainer = Trainer(
         config,
         registry,
-        run_dir=args.run_dir,
+        run_dir=run_dir,
         storage=storage,
         weight_server=server,
         log=lambda metrics, *, step, source: losses.__setitem__(step, metrics["loss"]),
@@ -103,7 +109,7 @@ def main() -> None:
     # receives into this local copy (a model spread over the group would make its placing of
     # the received arrays a collective the followers, gone by then, never join).
     like = multihost.host_copy(trainer.model)
-    if args.lora:  # a LoRA policy publishes its adapters alone
+    if lora:  # a LoRA policy publishes its adapters alone
         from marin_rl_core.models.lora import adapters_of
 
         like = adapters_of(like)
@@ -127,7 +133,7 @@ def main() -> None:
         "received": sums(received.model),
         "served": sums(like),
     }
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(got, f)
     server.close()
 

@@ -64,11 +64,13 @@ def _write_rollouts(directory: Path) -> None:
         writer.write_batch(RolloutBatch(groups=groups), timeout=30)
 
 
-def _run(
-    devices: int, run_dir: Path, rollouts: Path, steps: int, out: Path, group: int = 0, lora=0
-):
-    argv = [str(SCRIPT), str(devices), str(run_dir), str(rollouts), str(steps), str(out)]
-    argv += ["--lora", str(lora)] if lora else []
+def _run(devices: int, steps: int, runs: list[tuple[Path, Path, Path, int]], group: int = 0):
+    """``group_trainer.py`` with one ``--run`` per ``(run_dir, rollouts, out, lora_rank)``, one
+    after the other in the same process (or each process of a group of ``group``); returns
+    what each run wrote to its ``out``."""
+    argv = [str(SCRIPT), str(devices), str(steps)]
+    for run_dir, rollouts, out, lora in runs:
+        argv += ["--run", f"{run_dir},{rollouts},{out},{lora}"]
     if group:
         from test_sharding import run_group
 
@@ -77,30 +79,30 @@ def _run(
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True,
                               timeout=600)  # fmt: skip
         assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(out.read_text())
+    return [json.loads(out.read_text()) for _, _, out, _ in runs]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """2 processes x 2 devices and 1 process x 4 devices, each training the whole model and then
+    LoRA adapters (two runs a process), and the group's checkpoint resumed on 1 device."""
     tmp = tmp_path_factory.mktemp("trainer-group")
-    for name in ("group", "single", "group-lora", "single-lora"):
+    names = ("group", "single", "group-lora", "single-lora")
+    for name in names:
         _write_rollouts(tmp / f"rollouts-{name}")
-    group = _run(2, tmp / "run-group", tmp / "rollouts-group", STEPS, tmp / "group.json", group=2)
-    single = _run(4, tmp / "run-single", tmp / "rollouts-single", STEPS, tmp / "single.json")
-    resumed = _run(1, tmp / "run-group", tmp / "rollouts-group", STEPS + 1, tmp / "resumed.json")
-    lora = {
-        name: _run(
-            4 // processes,
-            tmp / f"run-{name}",
-            tmp / f"rollouts-{name}",
-            STEPS,
-            tmp / f"{name}.json",
-            group=processes if processes > 1 else 0,
-            lora=4,
-        )  # fmt: skip
-        for name, processes in (("group-lora", 2), ("single-lora", 1))
-    }
-    return {"group": group, "single": single, "resumed": resumed, **lora}
+    spec = {
+        name: (tmp / f"run-{name}", tmp / f"rollouts-{name}", tmp / f"{name}.json",
+               4 if name.endswith("lora") else 0)
+        for name in names
+    }  # fmt: skip
+    group, group_lora = _run(2, STEPS, [spec["group"], spec["group-lora"]], group=2)
+    single, single_lora = _run(4, STEPS, [spec["single"], spec["single-lora"]])
+    resumed = (tmp / "run-group", tmp / "rollouts-group", tmp / "resumed.json", 0)
+    (resumed,) = _run(1, STEPS + 1, [resumed])
+    return {
+        "group": group, "single": single, "resumed": resumed,
+        "group-lora": group_lora, "single-lora": single_lora,
+    }  # fmt: skip
 
 
 def test_a_trainer_group_runs_the_trainer_loop_like_one_process(runs):

@@ -16,6 +16,7 @@ same data. A group needs nothing beside ``jax.distributed``:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -43,6 +44,10 @@ def _broadcast(data: bytes | None, length: int) -> bytes:
     return np.asarray(multihost_utils.broadcast_one_to_all(buffer))[:length].tobytes()
 
 
+_CHANNELS = itertools.count()
+"""The channels this process made: the index in each key's name."""
+
+
 class GroupChannel:
     """The leader's commands to its followers; with one process, nothing is sent."""
 
@@ -51,6 +56,10 @@ class GroupChannel:
 
         self.size = jax.process_count()
         self.leads = is_leader()
+        # Every process of the group makes its channels in the same order (one per trainer),
+        # so the n-th channel's keys are the same on each, and a second trainer in the same
+        # processes (a run after a run) does not read the first one's commands.
+        self.prefix = f"marinrl/group/{next(_CHANNELS)}"
         self.sent = 0
         """Commands sent (the leader) or received (a follower): the next one's key."""
         self.pending: str | None = None
@@ -82,8 +91,8 @@ class GroupChannel:
             header["bytes"] = len(body)
         client = coordination_client()
         if self.sent:  # every follower read the one before: it took part in its operation
-            client.key_value_delete(f"marinrl/group/{self.sent - 1}")
-        client.key_value_set(f"marinrl/group/{self.sent}", json.dumps(header))
+            client.key_value_delete(f"{self.prefix}/{self.sent - 1}")
+        client.key_value_set(f"{self.prefix}/{self.sent}", json.dumps(header))
         self.sent += 1
         if body is not None:
             _broadcast(body, len(body))
@@ -101,7 +110,7 @@ class GroupChannel:
         """
         from marin_rl_core.rollout_serialization import deserialize_rollout_batch
 
-        key, waited = f"marinrl/group/{self.sent}", time.monotonic()
+        key, waited = f"{self.prefix}/{self.sent}", time.monotonic()
         while True:
             try:
                 header = json.loads(coordination_client().blocking_key_value_get(key, POLL_MS))
