@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import tomllib
 from pathlib import Path
 
 import equinox as eqx
@@ -189,38 +190,55 @@ def documented_commands(name: str) -> list[list[str]]:
     return [shlex.split(line) for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
-def test_the_guide_trains_a_local_checkpoint_on_jsonl_and_exports_it(
-    cli, checkpoints, tmp_path, monkeypatch
-):
-    """docs/hf-models.md's commands, as written, on a tiny Qwen3 checkpoint and a JSONL file
-    (with the small-job settings appended: later --set values win)."""
+@pytest.fixture(scope="module")
+def guide_run(cli, tmp_path_factory) -> dict[str, Path]:
+    """docs/hf-models.md's commands, as written (with the small-job settings appended: later
+    --set values win), in a fresh directory: ``my-qwen3`` is a tiny Qwen3 checkpoint saved the
+    way transformers 5 saves it (its twin saved by transformers 4, same weights, is ``v4``),
+    ``problems.jsonl`` a file task. One run and export for the guide's test and the
+    transformers-5 test."""
+    import os
     import shutil
 
-    monkeypatch.chdir(tmp_path)
-    shutil.copytree(checkpoints["qwen3"], tmp_path / "my-qwen3")
+    from marin_rl_core.testing import write_tiny_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("guide")
+    v4 = write_tiny_hf_checkpoint(root / "v4", "qwen3", rope_theta=1e6)
+    v5 = write_tiny_hf_checkpoint(root / "v5", "qwen3", rope_theta=1e6, layout="transformers5")
+    shutil.copytree(v5, root / "my-qwen3")
     rng = np.random.default_rng(0)
-    with open("problems.jsonl", "w") as f:
+    with open(root / "problems.jsonl", "w") as f:
         for a, b in rng.integers(0, 50, size=(40, 2)):
             f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
     commands = documented_commands("train-and-export")
     assert [c[:2] for c in commands] == [["marinrl", "run"], ["marinrl", "export"]]
-    for command in commands:
-        result = cli(*command[1:], *(FEW_SMALL_STEPS if command[1] == "run" else []))
-        assert result.exit_code == 0, result.output
-    check_trained_and_exported(
-        tmp_path / "my-qwen3", tmp_path / "runs" / "my-first-run", tmp_path / "my-qwen3-rl", "qwen3"
-    )
+    cwd = os.getcwd()
+    os.chdir(root)  # the guide's relative paths
+    try:
+        for command in commands:
+            result = cli(*command[1:], *(FEW_SMALL_STEPS if command[1] == "run" else []))
+            assert result.exit_code == 0, result.output
+    finally:
+        os.chdir(cwd)
+    return {
+        "v4": v4, "v5": v5, "run": root / "runs" / "my-first-run",
+        "export": root / "my-qwen3-rl", "root": root,
+    }  # fmt: skip
 
 
-def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, tmp_path):
+def test_the_guide_trains_a_local_checkpoint_on_jsonl_and_exports_it(guide_run):
+    """The guide's commands train the checkpoint on the JSONL file and export what trained (the
+    starting weights are ``v4``'s, which transformers 4 loads to compare)."""
+    check_trained_and_exported(guide_run["v4"], guide_run["run"], guide_run["export"], "qwen3")
+
+
+def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, guide_run):
     """Users save fine-tuned checkpoints with transformers 5 while levanter pins transformers < 5:
     its tokenizer class (``TokenizersBackend``), its template in ``chat_template.jinja`` and its
     ``rope_parameters`` (RoPE theta 1e6, as Qwen3's; read as the default 1e4 it would silently
-    change every logit) load as the same checkpoint written by transformers 4 does."""
-    from marin_rl_core.testing import write_tiny_hf_checkpoint
-
-    old = write_tiny_hf_checkpoint(tmp_path / "v4", "qwen3", rope_theta=1e6)
-    new = write_tiny_hf_checkpoint(tmp_path / "v5", "qwen3", rope_theta=1e6, layout="transformers5")
+    change every logit) load as the same checkpoint written by transformers 4 does. The guide's
+    run (``guide_run``) trained such a checkpoint and exported it."""
+    old, new = guide_run["v4"], guide_run["v5"]
     assert json.loads((new / "tokenizer_config.json").read_text())["tokenizer_class"] == (
         "TokenizersBackend"
     )
@@ -235,16 +253,12 @@ def test_a_checkpoint_saved_by_transformers5_trains_and_exports(cli, tmp_path):
     np.testing.assert_allclose(
         levanter_logits(model, rows), transformers_logits(old, rows), atol=2e-4, rtol=1e-4
     )
-
-    result = cli(
-        "run", "--model", str(new), *SMALL_JOB, "--set", f'run_dir="{tmp_path}"', "--run-id", "v5",
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    exported = cli("export", str(tmp_path / "v5"), str(tmp_path / "v5-export"))
-    assert exported.exit_code == 0, exported.output
-    check_trained_and_exported(old, tmp_path / "v5", tmp_path / "v5-export", "qwen3")
+    # Trained and exported (by the guide's commands), checked against its transformers-4 twin.
+    saved = tomllib.loads((guide_run["run"] / "config.toml").read_text())
+    assert Path(saved["model"]["checkpoint"]).name == "my-qwen3"  # the transformers-5 copy
+    check_trained_and_exported(old, guide_run["run"], guide_run["export"], "qwen3")
     # A run without LoRA has no adapters to export alone.
-    result = cli("export", str(tmp_path / "v5"), str(tmp_path / "adapter"), "--adapter")
+    result = cli("export", str(guide_run["run"]), str(guide_run["root"] / "adapter"), "--adapter")
     assert result.exit_code == ExitCode.CONFIG
     assert "trained without LoRA" in result.output and "drop --adapter" in result.output
 
