@@ -256,6 +256,11 @@ class RolloutStorage(Protocol):
     Built once by the driver (``build(config, run)``, :class:`~marin_rl_core.types.RunInfo`);
     ``writer()`` and ``reader()`` are called on the worker processes, so the storage object
     must be picklable (a handle, not the data).
+
+    Optionally ``check() -> None``: called by the driver on a storage it built and closed again,
+    before the job starts Ray and its workers; raise a
+    :class:`~marin_rl_core.errors.MarinRLError` naming what cannot be reached (a bucket that
+    does not answer) and the fix, so that a mistyped URL is told in seconds.
     """
 
     def writer(self, *, name: str = "") -> RolloutWriter:

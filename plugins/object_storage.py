@@ -496,6 +496,17 @@ class ObjectRolloutStorage:
             cursors = {str(k): int(v) for k, v in dict(position.get("writers", {})).items()}
         return ObjectRolloutReader(self.bucket(), cursors)
 
+    def check(self) -> None:
+        """A bucket answers (a lookup of the run's prefix, with the storage's timeout and
+        retries), before the job starts; a local directory is the run directory's check.
+
+        Raises:
+            StorageUnavailableError: naming the bucket, the call and what to check.
+        """
+        bucket = self.bucket()
+        if not bucket.local:
+            bucket.call("looking up the run's prefix", bucket.fs.exists, bucket.path)
+
     def close(self) -> None:
         """Nothing to release but connections: the batches stay (retention deletes them)."""
         if self._bucket is not None:

@@ -297,6 +297,13 @@ def test_a_url_whose_filesystem_is_not_installed_is_a_config_error():
 def test_a_job_whose_bucket_does_not_answer_stops_with_exit_14_naming_it(
     cli, tiny_mock_job, tmp_path, monkeypatch
 ):
+    """Said before the job starts Ray and its workers (the storage's ``check``)."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("Ray started for a bucket that does not answer")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")  # nothing listens there
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     result = cli("run", *tiny_mock_job, "--storage", "gcs", "--set", f'run_dir="{tmp_path}"',

@@ -280,6 +280,24 @@ def check_run_dir_writable(run_dir: Path) -> None:
                             resumable=False)  # fmt: skip
 
 
+def check_storage(config: RLJobConfig, registry: Any, run_id: str, run_dir: Path) -> None:
+    """The rollout storage's own ``check()``, where it has one (a bucket that answers: the
+    ``gcs`` storage's), on a storage built for the purpose and closed again, before the job
+    starts Ray and its workers. A storage without one is only built (as the driver builds it
+    later)."""
+    from marin_rl_core.types import RunInfo
+
+    storage = registry.get("storage", config.storage.name).build(
+        config.storage.config, RunInfo(run_id=run_id, run_dir=str(run_dir))
+    )
+    if getattr(storage, "check", None) is None:
+        return
+    try:
+        storage.check()
+    finally:
+        storage.close()
+
+
 def _read_only(path: Path) -> bool:
     import os
 

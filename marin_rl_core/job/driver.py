@@ -54,6 +54,7 @@ from marin_rl_core.job.checks import (
     check_resources,
     check_run_dir_filesystem,
     check_run_dir_writable,
+    check_storage,
     first_line,
     preflight_problems,
     probe_ray_address,
@@ -321,6 +322,7 @@ class RLJob:
         import ray
 
         config = self.saved_config()
+        check_storage(config, self.registry, self.run_id, self.run_dir)  # before Ray
         started_ray = self._start_ray()
         # After ray.init, which installs its own SIGTERM handler (exit 1, no checkpoint).
         restore_sigterm = handle_sigterm()
