@@ -90,6 +90,36 @@ def test_another_plugin_selected_over_a_saved_section_keeps_what_applies_and_say
     assert again.loss.config.kl_coef == 0.07 and len(notes) == 1
 
 
+def test_a_sampling_setting_a_lesson_of_its_own_hides_is_said():
+    """``--env guess --set sampling.n_prompts=4``: the guess lesson samples 32 prompts a batch
+    of its own; the user is told, with the setting that changes it."""
+    registry = build_registry()
+    notes: list[str] = []
+    config = resolve_config(
+        registry, selections={"env": "guess"},
+        overrides=["sampling.n_prompts=4", "sampling.temperature=1.0"], notes=notes,
+    )  # fmt: skip
+    assert config.sampling_for(config.curriculum.lessons[0]).n_prompts == 32
+    (note,) = [n for n in notes if "samples with its own settings" in n]
+    assert "lesson 'guess_digit'" in note and "n_prompts 32 (not 4)" in note
+    assert "temperature" not in note  # the same value: nothing hidden
+    assert "curriculum.lessons[0].sampling.KEY" in note
+    notes.clear()
+    resolve_config(
+        registry, selections={"env": "guess"},
+        overrides=["curriculum.lessons[0].sampling.n_prompts=4"], notes=notes,
+    )  # fmt: skip
+    assert not [n for n in notes if "samples with its own settings" in n]
+    # The default math task's last lesson samples 32 prompts of its own too; one of its own
+    # lessons without sampling settings follows $.sampling.
+    resolve_config(registry, overrides=["sampling.n_prompts=4"], notes=notes)
+    assert [n for n in notes if "lesson 'add_2digit' samples with its own settings" in n]
+    notes.clear()
+    lesson = 'curriculum.lessons=[{id = "add", env_config = {task = "add_1digit"}}]'
+    resolve_config(registry, overrides=["sampling.n_prompts=4", lesson], notes=notes)
+    assert not [n for n in notes if "samples with its own settings" in n]
+
+
 def test_typo_in_a_plugin_section_names_the_path_and_suggests_the_key(cli, tmp_path):
     result = cli("config", "validate", write(tmp_path, "[loss]\nkl_coeff = 0.05\n"))
     assert result.exit_code == ExitCode.CONFIG == 3

@@ -203,6 +203,10 @@ def resolve_config(
     config = resolve_colocation(config, merged, notes, accelerators)
     config = checkpoint_defaults(config, merged, notes, accelerators)
     validate_config(config, registry, converter)
+    if notes is not None:
+        given = {path[1]: value for _, path, value in parsed
+                 if len(path) == 2 and path[0] == "sampling"}  # fmt: skip
+        notes.extend(_shadowed_sampling(config, given))
     if derive_seq_len and config.model.checkpoint:
         from marin_rl_core.config.sequence_length import derive_max_seq_len
 
@@ -212,6 +216,32 @@ def resolve_config(
         if notes is not None:
             notes.append(note)
     return config
+
+
+def _shadowed_sampling(config: RLJobConfig, given: dict[str, Any]) -> list[str]:
+    """A note for each lesson with sampling of its own (an env's default lessons often have
+    one) that hides a ``--set sampling.KEY`` value the user gave (``given``: key to value):
+    ``--set sampling.n_prompts=4`` with ``--env guess`` still samples the lesson's 32 prompts
+    a batch. (Not for values from files: a saved run's config lists every setting.)"""
+    said = []
+    for i, lesson in enumerate(config.curriculum.lessons):
+        if lesson.sampling is None:
+            continue
+        hidden = [
+            f"{key} {getattr(lesson.sampling, key)!r} (not {value!r})"
+            for key, value in given.items()
+            if hasattr(lesson.sampling, key) and _plain(getattr(lesson.sampling, key)) != value
+        ]
+        if hidden:
+            said.append(
+                f"lesson {lesson.id!r} samples with its own settings, not $.sampling's: "
+                f"{', '.join(hidden)}; set curriculum.lessons[{i}].sampling.KEY to change them"
+            )
+    return said
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _migrate_inference_engine(merged: dict[str, Any], notes: list[str] | None) -> None:
