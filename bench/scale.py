@@ -246,12 +246,11 @@ def run_measured(
             raise
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-        peak.stop()
         sys.exit("stopped (time limit or Ctrl-C): the figures above are those measured")
     finally:
+        peak.stop()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    peak.stop()
     return code, time.monotonic() - start, peak
 
 
