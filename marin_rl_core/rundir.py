@@ -65,11 +65,12 @@ def absolute(run_dir: str | os.PathLike[str]) -> Path:
     return path if is_remote(path) else path.absolute()
 
 
-def cache_dir() -> Path:
-    """Where local copies of runs on buckets live: ``$MARINRL_CACHE_DIR/runs`` (default
-    ``~/.cache/marinrl/runs``)."""
+def cache_dir(part: str = "runs") -> Path:
+    """marinrl's cache directory ``part``: ``$MARINRL_CACHE_DIR/PART`` (default
+    ``~/.cache/marinrl/PART``): ``runs`` holds the local copies of runs on buckets,
+    ``model-counts`` the memory check's parameter counts (:mod:`marin_rl_core.job.memory`)."""
     base = os.environ.get("MARINRL_CACHE_DIR") or os.path.join("~", ".cache", "marinrl")
-    return Path(base).expanduser() / "runs"
+    return Path(base).expanduser() / part
 
 
 def local_copy(run_dir: str | os.PathLike[str]) -> Path:

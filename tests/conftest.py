@@ -37,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     * One JAX compilation cache for the whole run, new each run: the pytest processes (xdist's
       workers too, which inherit the environment of the process that starts them) and every job
       they start compile a program once between them.
+    * One marinrl cache (``MARINRL_CACHE_DIR``) for the whole run, new each run: the memory
+      check counts a model's parameters once (:mod:`marin_rl_core.job.counts`), and nothing is
+      written under the user's own ``~/.cache/marinrl``.
     * The processes the tests start (Ray workers, ``marinrl`` subprocesses) do not import torch.
       The test extra installs torch only to write tiny checkpoints and compare with transformers
       in the pytest process; a user's ``pip install marin-rl`` has none, and with it installed
@@ -56,6 +59,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
         cache = tempfile.mkdtemp(prefix="marinrl-test-jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache
+        config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
+    if "MARINRL_CACHE_DIR" not in os.environ and not hasattr(config, "workerinput"):
+        cache = tempfile.mkdtemp(prefix="marinrl-test-cache-")
+        os.environ["MARINRL_CACHE_DIR"] = cache
         config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
     from marin_rl_core.job import compile_cache
 

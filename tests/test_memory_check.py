@@ -128,3 +128,69 @@ def test_the_counts_are_the_built_models(tmp_path):
     assert counts.total == parameter_count(adapted)
     assert counts.trainable == adapter_parameter_count(adapted)
     assert counts.frozen == parameter_count(model)
+
+
+COUNT_IN_A_NEW_PROCESS = """
+import json, sys
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+from marin_rl_core.job import memory
+registry = build_registry()
+config = resolve_config(registry, selections={"env": "math"}, overrides=sys.argv[1:])
+counts = memory.model_counts(config, registry)
+print(json.dumps({"total": counts.total, "layers": counts.layers,
+                  "imported": sorted({"jax", "levanter", "transformers"} & set(sys.modules))}))
+"""
+
+
+def test_a_models_counts_are_kept_so_the_next_start_skips_levanter(
+    tmp_path, monkeypatch, qwen3_1_7b_config_only
+):
+    """Counting imports levanter and traces the model (~5 s of `marinrl run`'s start): the next
+    start of the same model reads the kept counts and imports neither levanter nor JAX; a
+    checkpoint whose config changed is counted again, and so is a damaged cache entry."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("MARINRL_CACHE_DIR", str(tmp_path / "cache"))
+    registry = build_registry()
+    overrides = [f'model.checkpoint="{qwen3_1_7b_config_only}"', "model.max_seq_len=256"]
+    config = resolve_config(registry, selections={"env": "math"}, overrides=overrides)
+    counts = memory.model_counts(config, registry)
+    (kept,) = (tmp_path / "cache" / "model-counts").iterdir()
+
+    def in_a_new_process() -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", COUNT_IN_A_NEW_PROCESS, *overrides],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    again = in_a_new_process()
+    assert (again["total"], again["layers"]) == (counts.total, 28)
+    assert again["imported"] == [], "the kept counts were not used"
+
+    kept.write_text('{"total": "1.7B"')  # damaged: counted again, and kept again
+    assert memory.model_counts(config, registry) == counts
+    assert json.loads(kept.read_text())["total"] == counts.total
+
+    shape = json.loads((qwen3_1_7b_config_only / "config.json").read_text())
+    shape["num_hidden_layers"] = 2  # the checkpoint changed in place: not its old counts
+    (qwen3_1_7b_config_only / "config.json").write_text(json.dumps(shape))
+    changed = memory.model_counts(config, registry)
+    assert changed.layers == 2 and changed.total < counts.total
+
+
+def test_the_named_precisions_bytes_are_their_jmp_policies():
+    """The memory check reads a precision's bytes without importing JAX: the same as jmp's."""
+    import numpy as np
+
+    from marin_rl_core.config.schema import PRECISIONS, TrainerConfig
+
+    for name in [*PRECISIONS, "auto", "p=bfloat16,c=float32"]:
+        for hf in (False, True):
+            t = TrainerConfig(precision=name)
+            mp = t.mp_policy(hf_checkpoint=hf)
+            want = (np.dtype(mp.param_dtype).itemsize, np.dtype(mp.compute_dtype).itemsize)
+            assert t.dtype_bytes(hf_checkpoint=hf) == want, (name, hf)

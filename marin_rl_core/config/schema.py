@@ -15,6 +15,7 @@ import attrs
 
 from marin_rl_core.config.limits import EpisodesConfig, FaultsConfig
 from marin_rl_core.config.lora import LoraConfig
+from marin_rl_core.config.mesh import MeshConfig
 from marin_rl_core.config.resources import ResourcesConfig, RoleResources
 from marin_rl_core.config.reward import RewardConfig
 from marin_rl_core.errors import FieldValueError, one_of
@@ -118,37 +119,6 @@ def _check_precision(instance: Any, attribute: attrs.Attribute, value: str) -> N
         ) from None
 
 
-@attrs.frozen(kw_only=True)
-class MeshConfig:
-    """How the learner lays its devices out (levanter's mesh). Devices are split into
-    ``data_parallel`` replicas × FSDP × ``tensor_parallel``: each replica holds a full copy of the
-    parameters; within one, parameters and optimizer state are sharded (FSDP) over the remaining
-    devices along ``fsdp_axis``, and ``tensor_parallel_axes`` are split over ``tensor_parallel``
-    devices. The batch is split over replicas × FSDP devices. The default (1, 1) is pure FSDP
-    over every device the trainer has (on one device: no sharding at all).
-
-    Args:
-        data_parallel: replicas; ``-1``: every device not used for tensor parallelism, i.e. pure
-            data parallelism with replicated parameters.
-        tensor_parallel: devices each tensor-parallel axis is split over.
-        fsdp_axis: the parameter axis sharded by FSDP (levanter's logical axis names).
-        tensor_parallel_axes: the parameter axes split by tensor parallelism (levanter's names:
-            the MLP's ``mlp``, attention's ``heads`` and ``kv_head``); each must divide by
-            ``tensor_parallel``, e.g. a model's key/value heads.
-    """
-
-    data_parallel: int = attrs.field(default=1)
-
-    @data_parallel.validator
-    def _check_data_parallel(self, attribute: attrs.Attribute, value: int) -> None:
-        if value != -1 and value < 1:
-            raise ValueError(f"data_parallel must be -1 (all devices) or >= 1, got {value}")
-
-    tensor_parallel: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    fsdp_axis: str = "embed"
-    tensor_parallel_axes: tuple[str, ...] = ("mlp", "heads", "kv_head")
-
-
 def _check_min_lr_ratio(instance: Any, attribute: attrs.Attribute, value: float) -> None:
     if not 0.0 <= value <= 1.0:
         raise FieldValueError(attribute.name, f"must be in [0, 1], got {value}")
@@ -220,6 +190,20 @@ class TrainerConfig:
         if name == "auto":
             name = "bf16" if hf_checkpoint else "f32"
         return jmp.get_policy(PRECISIONS.get(name, name))
+
+    def dtype_bytes(self, *, hf_checkpoint: bool) -> tuple[int, int]:
+        """Bytes of a parameter and of a computed value under :attr:`precision`: the named
+        precisions without importing JAX (the memory check runs before anything starts)."""
+        name = self.precision
+        if name == "auto":
+            name = "bf16" if hf_checkpoint else "f32"
+        named = {"f32": (4, 4), "bf16": (4, 2), "bf16-params": (2, 2)}  # PRECISIONS' policies
+        if name in named:
+            return named[name]
+        import numpy as np
+
+        mp = self.mp_policy(hf_checkpoint=hf_checkpoint)
+        return np.dtype(mp.param_dtype).itemsize, np.dtype(mp.compute_dtype).itemsize
 
 
 @attrs.frozen(kw_only=True)

@@ -1,5 +1,6 @@
-"""The job's Ray actors: the trainer and rollout worker services, the curriculum service and its
-proxy, and what each worker process sets up (its log file under ``RUN_DIR/logs``)."""
+"""The job's Ray actors: the trainer and rollout worker services, the job's hub (its metrics and
+its curriculum in one actor) and the curriculum's proxy, and what each worker process sets up
+(its log file under ``RUN_DIR/logs``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import (
     MarinRLError,
 )
+from marin_rl_core.metrics import MetricsHub
 from marin_rl_core.pacing import PacingFeedback
 from marin_rl_core.registry import Registry, RegistrySpec, registry_from_spec
 from marin_rl_core.rundir import growing_file, upload_now
@@ -91,7 +93,8 @@ def _worker_logging(run_dir: str, name: str) -> None:
 
 
 class CurriculumService:
-    """The job's one curriculum policy, shared by all rollout workers (a Ray actor)."""
+    """The job's one curriculum policy, shared by all rollout workers (in the :class:`JobHub`
+    actor)."""
 
     def __init__(self, wc: WorkerConfig):
         config, registry = wc.resolve()
@@ -119,9 +122,19 @@ class CurriculumService:
         return self.policy.state_dict()
 
 
+class JobHub(MetricsHub, CurriculumService):
+    """The job's metrics hub and its curriculum: one Ray actor, which every worker finds by its
+    name. One process for both, not one each: a process costs a job ~1 CPU-second to start and
+    ~100 MB to keep, and both are small (their calls are short, one at a time)."""
+
+    def __init__(self, run_dir: str, trackers: Any, run_id: str, wc: WorkerConfig):
+        MetricsHub.__init__(self, run_dir, trackers, run_id)
+        CurriculumService.__init__(self, wc)
+
+
 class CurriculumProxy:
     """Gives a worker the :class:`~marin_rl_core.protocols.CurriculumPolicy` interface over the
-    :class:`CurriculumService` actor. Updates are fire-and-forget; reads wait."""
+    :class:`JobHub` actor's curriculum. Updates are fire-and-forget; reads wait."""
 
     def __init__(self, actor: Any):
         self._actor = actor
@@ -178,9 +191,9 @@ class _SetUpError:
 
 
 def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
-    """The job's actor named ``name`` (its metrics hub or curriculum).
+    """The job's actor named ``name`` (its :class:`JobHub`).
 
-    The driver creates the trainer and rollout workers before these two, so that the two heavy
+    The driver creates the trainer and rollout workers before the hub, so that the two heavy
     processes start in the worker processes Ray has already started (issue 11); Ray registers a
     named actor before its creation call returns, so the name is there by the time a worker
     asks. Waiting a little is only for safety; a name still missing is a job error."""
@@ -202,7 +215,7 @@ def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
 class TrainerService(_SetUpError):
     """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up.
 
-    Like :class:`RolloutService` it finds the job's curriculum and metrics hub by their names.
+    Like :class:`RolloutService` it finds the job's hub (metrics and curriculum) by its name.
     ``group`` (``(coordinator, hosts)``): it is process 0 of a trainer over several hosts, whose
     others follow it (:mod:`marin_rl_core.job.trainer_group`)."""
 
@@ -210,19 +223,17 @@ class TrainerService(_SetUpError):
         self,
         wc: WorkerConfig,
         storage: Any,
-        curriculum: str,
         hub: str,
         group: tuple[str, int] | None = None,
         *,
         transfer: Any = None,
     ):
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub, group, transfer))
+        self._set_up(lambda: self._build(wc, storage, hub, group, transfer))
 
     def _build(
         self,
         wc: WorkerConfig,
         storage: Any,
-        curriculum_name: str,
         hub_name: str,
         group: tuple[str, int] | None,
         transfer: Any,
@@ -239,7 +250,7 @@ class TrainerService(_SetUpError):
             from marin_rl_core.learner import multihost
 
             multihost.join(group[0], group[1], 0)
-        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        hub = _job_actor(hub_name)
         from marin_rl_core.job import compile_cache
         from marin_rl_core.learner.trainer import Trainer
 
@@ -250,7 +261,7 @@ class TrainerService(_SetUpError):
                 config.weight_transfer.config
             )
         self.server = transfer.server()
-        proxy = CurriculumProxy(curriculum)
+        proxy = CurriculumProxy(hub)
         self.trainer = Trainer(
             config,
             registry,
@@ -313,7 +324,7 @@ class TrainerService(_SetUpError):
 class RolloutService(_SetUpError):
     """One rollout worker process (a Ray actor), restarted by Ray when its process dies.
 
-    It finds the job's curriculum and metrics hub by their actor names: Ray re-runs the
+    It finds the job's hub (metrics and curriculum) by its actor name: Ray re-runs the
     constructor of a restarted actor with the same arguments, and actor handles among them
     would have to stay pinned for that (Ray says so on the console)."""
 
@@ -321,20 +332,18 @@ class RolloutService(_SetUpError):
         self,
         wc: WorkerConfig,
         storage: Any,
-        curriculum: str,
         hub: str,
         *,
         transfer: Any = None,
         initial_model: Any = None,
     ):
         self._connected = False
-        self._set_up(lambda: self._build(wc, storage, curriculum, hub, transfer, initial_model))
+        self._set_up(lambda: self._build(wc, storage, hub, transfer, initial_model))
 
     def _build(
         self,
         wc: WorkerConfig,
         storage: Any,
-        curriculum_name: str,
         hub_name: str,
         transfer: Any,
         initial_model: Any,
@@ -342,7 +351,7 @@ class RolloutService(_SetUpError):
         _worker_logging(wc.run_dir, f"rollout-{wc.index}")
         import ray
 
-        curriculum, hub = _job_actor(curriculum_name), _job_actor(hub_name)
+        hub = _job_actor(hub_name)
         # Awaited (a call still in flight is lost with a process killed right after): a
         # restart during set-up is then counted by the driver.
         ray.get(hub.worker_started.remote(wc.index, os.getpid()), timeout=LOG_TIMEOUT_S)
@@ -369,7 +378,7 @@ class RolloutService(_SetUpError):
             worker_index=wc.index,
             writer=storage.writer(name=f"rollout-{wc.index}"),
             weight_client=None,  # connected in run(), once the trainer's server is up
-            curriculum=CurriculumProxy(curriculum),
+            curriculum=CurriculumProxy(hub),
             log=lambda metrics, *, step, source: hub.log.remote(metrics, step=step, source=source),
             samples=lambda rows: hub.samples.remote(rows),
             model=initial_model,  # (colocated: the trainer's weights, handed over)

@@ -114,11 +114,9 @@ class ColocatedService(TrainerService):
     docstring. Built in that order, so that the sampler's memory budget is a share of what the
     trainer leaves free."""
 
-    def __init__(
-        self, wc: WorkerConfig, rollout_wc: WorkerConfig, storage: Any, curriculum: str, hub: str
-    ):
+    def __init__(self, wc: WorkerConfig, rollout_wc: WorkerConfig, storage: Any, hub: str):
         transfer = LocalTransfer()
-        super().__init__(wc, storage, curriculum, hub, transfer=transfer)
+        super().__init__(wc, storage, hub, transfer=transfer)
         # The sampler starts from the trainer's first published weights (handed over, as every
         # later publish is): reading the checkpoint a second time would hold a second copy of
         # the model, and levanter's load peaks at several times the model's bytes.
@@ -127,7 +125,7 @@ class ColocatedService(TrainerService):
             self.trainer.publish()
             initial = transfer.server().latest()[0]
         self.rollout = RolloutService(
-            rollout_wc, storage, curriculum, hub, transfer=transfer, initial_model=initial
+            rollout_wc, storage, hub, transfer=transfer, initial_model=initial
         )
         if self._setup_error is None:
             self._setup_error = self.rollout._setup_error

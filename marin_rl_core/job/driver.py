@@ -7,7 +7,7 @@ The driver (``marinrl run`` or ``RLJob(config, registry).run()``):
    with token authentication, and checks that the cluster can place every actor;
 3. only then creates the run directory, writes ``config.toml`` (run directory absolute) and
    opens ``driver.log``;
-4. starts the shared actors (metrics hub, curriculum) and the trainer, and waits until it is
+4. starts the trainer and the job's hub (metrics and curriculum, one actor), and waits until it is
    ready: weights built or restored from the newest intact checkpoint (a damaged newer one is
    skipped, with a warning), weight server up; the curriculum resumes from the same checkpoint;
 5. starts the rollout workers, pointed at the trainer's weight server and the rollout storage;
@@ -42,7 +42,7 @@ from marin_rl_core.config.loading import resolve_config
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import ClusterError, ConfigError, MarinRLError, with_resume_command
 from marin_rl_core.job.actors import (
-    CurriculumService,
+    JobHub,
     RolloutService,
     WorkerConfig,
     attach_log_file,
@@ -380,8 +380,6 @@ class RLJob:
     def _run_actors(self, config: RLJobConfig, ray_address: str, progress: bool) -> JobResult:
         import ray
 
-        from marin_rl_core.metrics import MetricsHub
-
         trainer_wc, rollout_wcs = self.to_worker_configs()
         faults = config.faults
         actors: list[Any] = []
@@ -392,16 +390,15 @@ class RLJob:
             config.storage.config, RunInfo(run_id=self.run_id, run_dir=str(self.run_dir))
         )
         try:
-            names = {role: f"marinrl-{self.run_id}-{os.urandom(4).hex()}-{role}" for role in
-                     ("hub", "curriculum")}  # fmt: skip
+            hub_name = f"marinrl-{self.run_id}-{os.urandom(4).hex()}-hub"
             # The trainer and rollout workers first: Ray starts as many worker processes as the
             # node has CPUs as soon as the driver connects, and the first actors created get
-            # them (~0.5 s sooner than a new process on a 2-core machine). The hub and the
-            # curriculum follow; the workers find them by name.
+            # them (~0.5 s sooner than a new process on a 2-core machine). The hub (metrics and
+            # curriculum) follows; the workers find it by name.
             # (A trainer over several hosts: one actor per host, placed together.)
             colocated = config.resources.colocate is True
             trainer, followers, placed = start_trainer(
-                config, trainer_wc, storage, names["curriculum"], names["hub"],
+                config, trainer_wc, storage, hub_name,
                 rollout_wcs[0] if colocated else None,
             )  # fmt: skip
             actors += [trainer, *followers]
@@ -416,7 +413,7 @@ class RLJob:
                     max_restarts=faults.worker_restarts,
                     max_task_retries=0,
                 )
-                .remote(wc, storage, names["curriculum"], names["hub"])
+                .remote(wc, storage, hub_name)
                 for wc in ([] if colocated else rollout_wcs)
             ]
             actors += rollouts
@@ -426,16 +423,11 @@ class RLJob:
                 rollouts = [RolloutView(trainer)]
                 logger.info("colocated: the trainer and rollout worker 0 share one process")
             hub = (
-                ray.remote(MetricsHub)
-                .options(num_cpus=0, name=names["hub"])
-                .remote(str(self.run_dir), config.logging.tracker, self.run_id)
+                ray.remote(JobHub)
+                .options(num_cpus=0, name=hub_name)
+                .remote(str(self.run_dir), config.logging.tracker, self.run_id, trainer_wc)
             )
-            curriculum = (
-                ray.remote(CurriculumService)
-                .options(num_cpus=0, name=names["curriculum"])
-                .remote(trainer_wc)
-            )
-            actors += [hub, curriculum]
+            actors.append(hub)
             info = wait_until_ready([trainer, *followers], self.local_dir / "logs")
             for warning in info["warnings"]:
                 logger.warning("%s", warning)
@@ -446,7 +438,7 @@ class RLJob:
                 raise run_dir_error(exc, self.run_dir, resumable=True) from None
             # The curriculum resumes from the checkpoint the trainer restored, and the metrics
             # of steps after it (logged by the run that died) give way to the steps trained again.
-            ray.get(curriculum.load_state.remote(info["curriculum"]))
+            ray.get(hub.load_state.remote(info["curriculum"]))
             start_step = int(info["step"])
             # Each rollout worker goes on after the last batch the checkpoint received, so the
             # resumed run draws the problems the uninterrupted one would have drawn.

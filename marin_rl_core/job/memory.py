@@ -1,9 +1,9 @@
 """Will the job fit? The memory a job's trainer and samplers need, estimated from the config
 before anything starts (issue 61), against what this machine has.
 
-The model's parameters are counted exactly: the policy (with its LoRA adapters) and a loss's
-own state (ppo's critic) are built abstractly (``jax.eval_shape``: shapes only, no weights
-read). From them, per device of the trainer (``d`` devices sharing the parameters, FSDP and
+The model's parameters are counted exactly (:mod:`marin_rl_core.job.counts`: the policy with
+its LoRA adapters and a loss's own state, such as ppo's critic, built as shapes only; kept in a
+cache so that the next start of the same model skips it). From them, per device of the trainer (``d`` devices sharing the parameters, FSDP and
 tensor parallel; ``p``/``c`` bytes of the parameter/compute dtype):
 
 * parameters: the trained ones in ``p``, frozen ones (a LoRA base) in ``c``; gradients and
@@ -14,7 +14,7 @@ tensor parallel; ``p``/``c`` bytes of the parameter/compute dtype):
   checkpointing each layer's input (``L r S H c``) plus one layer's working set, else every
   layer's; attention scores ``r heads S S`` in float32 per layer worked on;
 * the log-probabilities' logits blocks (two float32 blocks of at most
-  :data:`~marin_rl_core.models.logprobs.LOGITS_BLOCK_BYTES`).
+  :data:`~marin_rl_core.models.LOGITS_BLOCK_BYTES`).
 
 Each rollout worker: the policy in ``model.inference_dtype`` (twice for a LoRA job apart from its
 trainer: the base it keeps and the merged copy it samples; for a colocated LoRA job only the
@@ -53,6 +53,7 @@ import attrs
 
 from marin_rl_core.config.schema import RLJobConfig
 from marin_rl_core.errors import ConfigError
+from marin_rl_core.job.counts import ModelCounts, model_counts
 
 GIB = 2**30
 PROCESS_BYTES = int(0.8 * GIB)
@@ -62,24 +63,6 @@ rollout worker of the tiny default job peaks at ~0.7 GiB resident on CPU)."""
 
 class DoesNotFitError(ConfigError):
     """The job's estimated memory exceeds what the machine has (exit 3, before anything starts)."""
-
-
-@attrs.frozen
-class ModelCounts:
-    """Parameter counts of what a job trains, and the shapes the activations depend on."""
-
-    total: int  # the policy's parameters (a LoRA policy's base and adapters)
-    trainable: int  # trained: the adapters (or the whole policy) and a loss's own state
-    frozen: int  # not trained: a LoRA base
-    loss_state: int  # a loss's own trained state (a critic), part of ``trainable``
-    reference: bool  # the loss keeps a KL reference model (its ``needs_reference_model``)
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
 
 
 TEMPORARY = frozenset(
@@ -136,77 +119,6 @@ class Estimate:
         return f"{trainer}; {what} {self.rollout_bytes / GIB:.2f} GiB ({parts(self.rollout)})"
 
 
-def _dtype_bytes(dtype: object) -> int:
-    import numpy as np
-
-    return int(np.dtype(dtype).itemsize)
-
-
-def model_counts(config: RLJobConfig, registry: object) -> ModelCounts:
-    """Count the parameters a job of ``config`` trains, building nothing but shapes."""
-    import equinox as eqx
-    import jax
-
-    from marin_rl_core.learner.loss import TrainedModel, loss_plan, with_loss_state
-    from marin_rl_core.models.lora import add_adapters as adapt
-    from marin_rl_core.models.lora import parameter_count, trainable_filter
-
-    levanter_config, vocab = _levanter_config(config)
-    lora = config.model.lora.enabled
-    loss = registry.get("loss", config.loss.name).build(config.loss.config)  # type: ignore[attr-defined]
-    plan = loss_plan(loss.build(None))
-
-    def build() -> object:
-        import haliax as hax
-
-        key = jax.random.PRNGKey(0)
-        model = levanter_config.build(hax.Axis("vocab", vocab), key=key)
-        if lora:
-            model = adapt(model, config.model.lora, key=key)
-        trained, _ = with_loss_state(plan, model, key=key, learning_rate=1.0)
-        return trained
-
-    trained = eqx.filter_eval_shape(build)
-    policy = trained.policy if isinstance(trained, TrainedModel) else trained
-    state = trained.loss_state if isinstance(trained, TrainedModel) else None
-    total = parameter_count(policy)
-    state_count = parameter_count(state) if state is not None else 0
-    adapters = parameter_count(eqx.filter(policy, trainable_filter(policy))) if lora else 0
-    trainable = (adapters if lora else total) + state_count
-    c = levanter_config
-    heads = int(c.num_heads)
-    return ModelCounts(
-        total=total,
-        trainable=trainable,
-        frozen=total - adapters if lora else 0,
-        loss_state=state_count,
-        reference=bool(loss.needs_reference_model),
-        layers=int(c.num_layers),
-        hidden=int(c.hidden_dim),
-        intermediate=int(c.intermediate_dim),
-        heads=heads,
-        kv_heads=int(c.num_kv_heads),
-        head_dim=int(getattr(c, "head_dim", None) or c.hidden_dim // heads),
-        vocab=vocab,
-    )
-
-
-def _levanter_config(config: RLJobConfig) -> tuple[object, int]:
-    from marin_rl_core.models.build import checkpoint_levanter_config, llama_config
-    from marin_rl_core.models.tokenizer import model_tokenizer
-
-    model = config.model
-    checkpointing = model.resolved_gradient_checkpointing
-    if not model.checkpoint:
-        return llama_config(model), model_tokenizer(model).vocab_size
-    levanter_config, vocab = checkpoint_levanter_config(
-        model.checkpoint, gradient_checkpointing=checkpointing
-    )
-    if model.resize_vocab:
-        vocab = model_tokenizer(model).vocab_size
-    return levanter_config, vocab
-
-
 def estimate(
     config: RLJobConfig,
     counts: ModelCounts,
@@ -220,16 +132,14 @@ def estimate(
     engine takes at most ``model.inference_memory_fraction`` of what the weights leave; ``cpu``:
     the job runs on the host's CPU (XLA's CPU backend multiplies half-precision weights in
     float32, see the module docstring)."""
-    from marin_rl_core.learner.step import mesh_sizes
-    from marin_rl_core.models.logprobs import LOGITS_BLOCK_BYTES
+    from marin_rl_core.models import LOGITS_BLOCK_BYTES
 
     t = config.trainer
-    mp = t.mp_policy(hf_checkpoint=bool(config.model.checkpoint))
-    p, c = _dtype_bytes(mp.param_dtype), _dtype_bytes(mp.compute_dtype)
+    p, c = t.dtype_bytes(hf_checkpoint=bool(config.model.checkpoint))
     shards, rows = 1, t.microbatch_size or t.batch_size  # one device, or a host's CPU devices
     if trainer_devices > 1:  # GPUs: per device (a layout that does not fit is told later)
         try:
-            sizes = mesh_sizes(t.mesh, trainer_devices, t.batch_size, t.microbatch_size)
+            sizes = t.mesh.sizes(trainer_devices, t.batch_size, t.microbatch_size)
         except ConfigError:
             sizes = {"fsdp": 1, "tensor_parallel": 1, "batch_shards": 1}
         shards = sizes["fsdp"] * sizes["tensor_parallel"]
@@ -252,7 +162,7 @@ def estimate(
         trainer["float32 matmuls"] = 4 * n.total // shards if c < 4 else 0
         trainer["head copy"] = 4 * n.vocab * n.hidden // shards
     trainer["process"] = PROCESS_BYTES
-    i = _dtype_bytes(config.model.resolved_inference_dtype)
+    i = {"float32": 4, "bfloat16": 2}[config.model.resolved_inference_dtype]
     tp = config.model.inference_tensor_parallel
     colocated = config.resources.colocate is True
     slots = max(

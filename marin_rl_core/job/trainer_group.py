@@ -148,7 +148,6 @@ def start_trainer(
     config: RLJobConfig,
     wc: WorkerConfig,
     storage: Any,
-    curriculum: str,
     hub: str,
     rollout_wc: WorkerConfig | None = None,
 ) -> tuple[Any, list[Any], Any]:
@@ -167,9 +166,9 @@ def start_trainer(
 
         options["max_concurrency"] = 8  # the trainer's and the worker's runs, and their calls
         colocated = ray.remote(ColocatedService).options(**options)
-        return colocated.remote(wc, rollout_wc, storage, curriculum, hub), [], None
+        return colocated.remote(wc, rollout_wc, storage, hub), [], None
     if hosts == 1:
-        trainer = ray.remote(TrainerService).options(**options).remote(wc, storage, curriculum, hub)
+        trainer = ray.remote(TrainerService).options(**options).remote(wc, storage, hub)
         return trainer, [], None
     group = place_trainer_hosts(config)
     nodes = set(ray.util.placement_group_table(group)["bundles_to_node_id"].values())
@@ -193,7 +192,7 @@ def start_trainer(
     leader = (
         ray.remote(TrainerService)
         .options(**options, **on_host(group, 0))
-        .remote(wc, storage, curriculum, hub, (coordinator, hosts))
+        .remote(wc, storage, hub, (coordinator, hosts))
     )
     followers = [
         ray.remote(TrainerFollower)

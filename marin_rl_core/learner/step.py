@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from marin_rl_core.config.schema import MeshConfig, TrainerConfig
-from marin_rl_core.errors import ConfigError
+from marin_rl_core.config.schema import TrainerConfig
 from marin_rl_core.learner.levanter_step import CaptureTracker, levanter_trainer, train_only
 from marin_rl_core.learner.optimizer import make_optimizer
 
@@ -128,33 +127,6 @@ def plugin_prepare_fn(
     return prepare
 
 
-def mesh_sizes(
-    mesh: MeshConfig, n_devices: int, batch_size: int, microbatch_size: int = 0
-) -> dict[str, int]:
-    """``{"data_parallel", "fsdp", "tensor_parallel", "batch_shards"}`` of ``mesh`` on
-    ``n_devices``; raises :class:`~marin_rl_core.errors.ConfigError` for a layout that does not
-    fit (the message says what would)."""
-    tp = mesh.tensor_parallel
-    dp = n_devices // tp if mesh.data_parallel == -1 else mesh.data_parallel
-    if dp < 1 or n_devices % (dp * tp):
-        raise ConfigError(
-            f"$.trainer.mesh: the trainer has {n_devices} device(s), which cannot be split into "
-            f"data_parallel={mesh.data_parallel} x tensor_parallel={tp} groups; choose sizes whose "
-            f"product divides {n_devices}"
-        )
-    fsdp = n_devices // (dp * tp)
-    shards = dp * fsdp
-    rows = microbatch_size or batch_size
-    if rows % shards:
-        what = "microbatch_size" if microbatch_size else "batch_size"
-        raise ConfigError(
-            f"$.trainer.{what}: {rows} rows cannot be split evenly over the {shards} data shards "
-            f"of the trainer's {n_devices} device(s) (data_parallel={dp} x fsdp={fsdp}); use a "
-            f"multiple of {shards}"
-        )
-    return {"data_parallel": dp, "fsdp": fsdp, "tensor_parallel": tp, "batch_shards": shards}
-
-
 class Learner:
     """levanter's :class:`levanter.trainer.Trainer`, set up from marinrl's ``[trainer]`` config and
     stepped one batch at a time (the RL loop, not levanter's data loader, decides when).
@@ -183,9 +155,7 @@ class Learner:
 
         from marin_rl_core.models.packing import BATCH
 
-        sizes = mesh_sizes(
-            config.mesh, jax.device_count(), config.batch_size, config.microbatch_size
-        )
+        sizes = config.mesh.sizes(jax.device_count(), config.batch_size, config.microbatch_size)
         self.sizes = sizes
         self.tracker = CaptureTracker()
         micro = config.microbatch_size

@@ -29,14 +29,8 @@ from haliax import Axis, NamedArray
 from levanter.layers.attention import AttentionMask
 from levanter.models.lm_model import LmHeadModel
 
+from marin_rl_core.models import LOGITS_BLOCK_BYTES
 from marin_rl_core.models.packing import BATCH, POS, pack_sequences
-
-LOGITS_BLOCK_BYTES = 256 * 2**20
-"""The most memory one block of float32 logits takes in :func:`next_token_logprobs_and_entropy`:
-with a 151,936-token vocabulary (Qwen) that is 441 positions per block, so a batch of any size
-never holds a whole ``[batch, position, vocab]`` array at once. The forward pass keeps two such
-arrays alive (the logits and their exponentials), so its peak is about twice this; 256 MiB keeps
-the RL step's peak memory below levanter's cross-entropy step (``bench/step_time.py``)."""
 
 
 def tempered_logits(hidden: jax.Array, lm_head: jax.Array, temperature: jax.Array) -> jax.Array:
