@@ -1,12 +1,14 @@
-"""Sample through one of marinrl's engines (paged by default, or ENGINE: kv, dense) with the model split over N simulated CPU devices
-(tensor parallelism); used by tests/test_sharding.py.
+"""Sample through marinrl's engines (ENGINES: a comma-separated list of kv, paged, dense;
+paged by default) with the model split over N simulated CPU devices (tensor parallelism); used
+by tests/test_sharding.py.
 
-    python tests/sharded_sampling.py DEVICES TENSOR_PARALLEL DTYPE OUT.json [ENGINE]
+    python tests/sharded_sampling.py DEVICES TENSOR_PARALLEL DTYPE OUT.json [ENGINES]
 
-Writes, for prompts of the default task: whether the engine's parameters are sharded, the
-largest gap between the logprob the sharded engine reported for each sampled token and the
-trainer's full-forward logprob of it (on one unsharded float32 copy of the weights), and
-whether greedy decoding gives the same tokens as an unsharded engine.
+Writes, for each engine, for prompts of the default task: whether the engine's parameters are
+sharded, the largest gap between the logprob the sharded engine reported for each sampled token
+and the trainer's full-forward logprob of it (on one unsharded float32 copy of the weights), and
+whether greedy decoding gives the same tokens as an unsharded engine. (The engines in one
+process: each process costs a few CPU-seconds to start.)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 
 def main() -> None:
     devices, tp, dtype, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    kind = sys.argv[5] if len(sys.argv) > 5 else "paged"
+    kinds = (sys.argv[5] if len(sys.argv) > 5 else "paged").split(",")
     # After the XLA flags this process inherits (the suite's quick compile): the last
     # value of a flag wins.
     flags = os.environ.get("XLA_FLAGS", "")
@@ -47,38 +49,42 @@ def main() -> None:
         max_seq_len=config.max_seq_len, eos_id=tok.eos_id, max_seqs=64, compute_dtype=dtype
     )
     registry = build_registry()
-    sharded = registry.build_engine(
-        kind, EngineSpec(model=model, mesh=mesh, axis_mapping=mapping, **kwargs)
-    )
-    plain = registry.build_engine(kind, EngineSpec(model=model, **kwargs))
     prompts = [tok.encode(f"{a}+{b}=", add_bos=True) for a in range(4) for b in range(3)]
-    samples = sample_prompts(sharded, prompts, n=4, temperature=1.0, max_tokens=4, seed=5)
-    pairs = [(p, s) for p, group in zip(prompts, samples) for s in group]
-    trainer = response_logprobs(
-        model, [p for p, _ in pairs], [s.tokens for _, s in pairs], max_seq_len=config.max_seq_len
-    )
-    gap = max(float(np.max(np.abs(t - s.logprobs))) for t, (_, s) in zip(trainer, pairs))
-    greedy = [
-        [s.tokens.tolist() for s in group]
-        for engine in (sharded, plain)
-        for group in sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=4, seed=0)
-    ]
-    half = len(greedy) // 2
-    leaves = [x for x in jax.tree.leaves(sharded.model) if hasattr(x, "sharding")]
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "devices": jax.device_count(),
-                "sharded": any(not x.sharding.is_fully_replicated for x in leaves),
-                "dtypes": sorted(
-                    {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
-                ),
-                "max_logprob_gap": gap,
-                "n_tokens": int(sum(s.tokens.size for _, s in pairs)),
-                "greedy_equal": greedy[:half] == greedy[half:],
-            },
-            f,
+
+    def check(kind: str) -> dict:
+        sharded = registry.build_engine(
+            kind, EngineSpec(model=model, mesh=mesh, axis_mapping=mapping, **kwargs)
         )
+        plain = registry.build_engine(kind, EngineSpec(model=model, **kwargs))
+        samples = sample_prompts(sharded, prompts, n=4, temperature=1.0, max_tokens=4, seed=5)
+        pairs = [(p, s) for p, group in zip(prompts, samples) for s in group]
+        trainer = response_logprobs(
+            model,
+            [p for p, _ in pairs],
+            [s.tokens for _, s in pairs],
+            max_seq_len=config.max_seq_len,
+        )
+        gap = max(float(np.max(np.abs(t - s.logprobs))) for t, (_, s) in zip(trainer, pairs))
+        greedy = [
+            [s.tokens.tolist() for s in group]
+            for engine in (sharded, plain)
+            for group in sample_prompts(engine, prompts, n=1, temperature=0.0, max_tokens=4, seed=0)
+        ]
+        half = len(greedy) // 2
+        leaves = [x for x in jax.tree.leaves(sharded.model) if hasattr(x, "sharding")]
+        return {
+            "devices": jax.device_count(),
+            "sharded": any(not x.sharding.is_fully_replicated for x in leaves),
+            "dtypes": sorted(
+                {str(x.dtype) for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)}
+            ),
+            "max_logprob_gap": gap,
+            "n_tokens": int(sum(s.tokens.size for _, s in pairs)),
+            "greedy_equal": greedy[:half] == greedy[half:],
+        }
+
+    with open(out, "w") as f:
+        json.dump({kind: check(kind) for kind in kinds}, f)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +177,29 @@ def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
     _assert_same_params(_params(other, "fsdp", 2), _params(four, "fsdp", 2))
 
 
+@pytest.fixture(scope="module")
+def sampled(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int, int, str], dict]:
+    """``sampled(devices, tp, dtype)``: ``sharded_sampling.py``'s figures for the kv and paged
+    engines, both in one process (run once per arguments)."""
+    import functools
+    import json
+
+    @functools.cache
+    def run(devices: int, tp: int, dtype: str) -> dict:
+        out = tmp_path_factory.mktemp("sampling") / "sampling.json"
+        script = Path(__file__).with_name("sharded_sampling.py")
+        proc = subprocess.run(
+            [sys.executable, str(script), str(devices), str(tp), dtype, str(out), "kv,paged"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads(out.read_text())
+
+    return run
+
+
 @pytest.mark.parametrize(
     ("engine", "devices", "tp", "dtype", "tolerance"),
     [
@@ -187,23 +211,12 @@ def test_a_checkpoint_saved_on_four_devices_resumes_on_fewer(runs, resumed):
     ids=["kv-tp4-float32", "paged-tp4-float32", "kv-tp2-bfloat16", "paged-tp2-bfloat16"],
 )
 def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scores(
-    tmp_path, engine, devices, tp, dtype, tolerance
+    sampled, engine, devices, tp, dtype, tolerance
 ):
     """The inference engine split over a worker's devices (tensor parallelism) reports, for each
     token it samples, the logprob the trainer computes for it (to float32 rounding; bfloat16
     weights move logprobs by a few hundredths), and decodes greedily like one device."""
-    import json
-
-    out = tmp_path / "sampling.json"
-    script = Path(__file__).with_name("sharded_sampling.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), str(devices), str(tp), dtype, str(out), engine],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+    got = sampled(devices, tp, dtype)[engine]
     assert got["devices"] == devices and got["sharded"]
     assert got["dtypes"] == [dtype]
     assert got["n_tokens"] > 12
@@ -212,43 +225,37 @@ def test_a_rollout_engine_sharded_over_its_devices_samples_what_the_trainer_scor
         assert got["greedy_equal"]
 
 
-def test_logprobs_of_a_batch_sharded_over_devices_stay_on_each_devices_rows(tmp_path):
+@pytest.fixture(scope="module")
+def logprob_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``sharded_logprobs.py`` on 4 devices: the batch over 1 and 4 of them, and FSDP."""
+    import json
+
+    out = tmp_path_factory.mktemp("logprobs") / "logprobs.json"
+    script = Path(__file__).with_name("sharded_logprobs.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), "4", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_logprobs_of_a_batch_sharded_over_devices_stay_on_each_devices_rows(logprob_runs):
     """The log-probabilities (forward and backward, computed in blocks of positions) of a batch
     split over four devices move nothing between devices, and each device holds a quarter of
     the memory one device needs for the whole batch. Blocks of flattened rows x positions
     gathered every row's hidden states onto every device, which then computed the LM head and
     softmax over a 151k vocabulary for the whole global batch."""
-    import json
-
-    script = Path(__file__).with_name("sharded_logprobs.py")
-    got = {}
-    for devices in (1, 4):
-        out = tmp_path / f"{devices}.json"
-        proc = subprocess.run(
-            [sys.executable, str(script), str(devices), str(out)],
-            capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        got[devices] = json.loads(out.read_text())
-    assert got[4]["collectives"] == [], got[4]
-    assert got[4]["max_difference"] < 1e-5
-    assert got[4]["temp_bytes"] < 0.35 * got[1]["temp_bytes"], got
+    got = logprob_runs["dp"]
+    assert got["4"]["collectives"] == [], got["4"]
+    assert got["4"]["max_difference"] < 1e-5
+    assert got["4"]["temp_bytes"] < 0.35 * got["1"]["temp_bytes"], got
 
 
-def test_with_fsdp_the_lm_head_is_computed_vocabulary_parallel(tmp_path):
+def test_with_fsdp_the_lm_head_is_computed_vocabulary_parallel(logprob_runs):
     """Parameters split over four devices (FSDP): each device computes every row's logits for a
     quarter of the vocabulary instead of gathering the whole LM head and its float32 gradient,
     with the same log-probabilities and gradient as one device, in less temporary memory."""
-    import json
-
-    script = Path(__file__).with_name("sharded_logprobs.py")
-    out = tmp_path / "fsdp.json"
-    proc = subprocess.run(
-        [sys.executable, str(script), "4", str(out), "fsdp"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = json.loads(out.read_text())
+    got = logprob_runs["fsdp"]
     split, whole = got["True"], got["False"]
     for figures in (split, whole):
         assert figures["max_difference"] < 1e-5, got

@@ -331,6 +331,9 @@ def test_the_unmodified_agent_script_trains_through_marinrl_run(
         "trainer.batch_size=8", "eval.n_examples=2",
         # 2 prompts x the lesson's 4 samples: one batch of 8 episodes (agent processes), not 16
         "curriculum.lessons[0].sampling.n_prompts=2",
+        # On-policy: the worker samples each step's batch with the weights before it, not
+        # batches ahead that nobody trains (each episode is an agent process, ~2 CPU-s)
+        "replay_buffer.max_rollout_step_delay=0",
         "eval.frequency=100", f'run_dir="{tmp_path}"',
     ]  # fmt: skip
     result = marinrl(
@@ -343,6 +346,9 @@ def test_the_unmodified_agent_script_trains_through_marinrl_run(
     assert [r["step"] for r in train] == [1, 2]
     batches = [r for r in rows if r["source"] == "rollout" and "rollout/turns" in r]
     assert batches and all(r["rollout/env_errors"] == 0 for r in batches)
+    # On-policy, one batch a step, and none begun after the last step for nobody to train.
+    assert len(batches) == 2
+    assert "was cancelled" not in (tmp_path / "agent" / "logs" / "rollout-0.log").read_text()
     assert all(r["rollout/turns"] >= 1 and r["rollout/generated_tokens"] > 0 for r in batches)
     samples = [json.loads(line) for line in (tmp_path / "agent" / "samples.jsonl").open()]
     # The agent's system prompt and the tool schema it sent reached the policy.

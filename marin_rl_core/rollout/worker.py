@@ -369,6 +369,14 @@ class RolloutWorker:
             sync_start = time.monotonic()
             synced = self.sync_weights()
             sync_seconds = time.monotonic() - sync_start
+            if self.weight_step >= self.config.trainer.num_train_steps > 0:
+                # The final step's weights: training is over, and a batch sampled now would be
+                # trained by nobody (in an agent env, a process an episode). The driver stops
+                # this worker and asks worker 0 for the final eval.
+                logger.info("worker %s: training is done; no more batches", self.worker_id)
+                while not self._stop.wait(1.0):
+                    pass
+                break
             lesson_id = self.curriculum.sample_lesson(seed=self._seed(counter))
             sampling = self.config.sampling_for(self.manager.lessons[lesson_id])
             micro = self.config.eval.micro_frequency
