@@ -369,10 +369,10 @@ class RolloutWorker:
             sync_start = time.monotonic()
             synced = self.sync_weights()
             sync_seconds = time.monotonic() - sync_start
-            if self.weight_step >= self.config.trainer.num_train_steps > 0:
+            if end is None and self.weight_step >= self.config.trainer.num_train_steps > 0:
                 # The final step's weights: training is over, and a batch sampled now would be
                 # trained by nobody (in an agent env, a process an episode). The driver stops
-                # this worker and asks worker 0 for the final eval.
+                # this worker (it watches the job) and asks worker 0 for the final eval.
                 logger.info("worker %s: training is done; no more batches", self.worker_id)
                 while not self._stop.wait(1.0):
                     pass
