@@ -3,7 +3,8 @@ worker with a real weight server takes the trainer's newer weights mid-batch; it
 record the weight steps they span (``weight_step`` the oldest, which the replay buffer counts
 staleness from). That each token's logprob is the one of the weights that sampled it is the
 engine's contract (``tests/test_inference.py``). The worker runs in a process of its own, as in
-a job: ``python tests/test_in_flight_weights.py in-flight`` runs one and prints what it saw."""
+a job: ``python tests/test_in_flight_weights.py`` runs one with in-flight weights and one
+without, one after the other, and prints what each saw."""
 
 from __future__ import annotations
 
@@ -159,14 +160,17 @@ def _scenario(in_flight: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "between-batches"])
-def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(in_flight):
-    done = subprocess.run(
-        [sys.executable, __file__, "in-flight" if in_flight else "between-batches"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+@pytest.fixture(scope="module")
+def scenarios() -> dict:
+    """Both scenarios' results, from one process (each process costs seconds to start)."""
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("in_flight", [True, False], ids=["in-flight", "between-batches"])
+def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(scenarios, in_flight):
+    result = scenarios["in-flight" if in_flight else "between-batches"]
     assert result["seconds"] > 4 * TURN_S
     steps = result["steps"]
     spanning = [(first, last) for first, last in steps if last is not None]
@@ -182,4 +186,4 @@ def test_new_weights_reach_a_batch_while_it_samples_only_when_asked(in_flight):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_scenario(sys.argv[1] == "in-flight")))
+    print(json.dumps({"in-flight": _scenario(True), "between-batches": _scenario(False)}))
