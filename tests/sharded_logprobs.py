@@ -61,17 +61,7 @@ def _problem(vocab: int, rows: int, block_tokens: int):  # type: ignore[no-untyp
 def main() -> None:
     devices, out = int(sys.argv[1]), sys.argv[2]
     _start_jax(devices)
-    got = {"dp": {str(n): data_parallel(n) for n in sorted({1, devices})}, "fsdp": fsdp()}
-    with open(out, "w") as f:
-        json.dump(got, f)
-
-
-def data_parallel(devices: int) -> dict:
-    """The batch split over the first ``devices`` devices (see the module docstring)."""
     import equinox as eqx
-    import haliax as hax
-    import jax
-    import numpy as np
 
     from marin_rl_core.models.tokenizer import ArithmeticTokenizer
 
@@ -79,6 +69,18 @@ def data_parallel(devices: int) -> dict:
     model, ids, loss = _problem(ArithmeticTokenizer().vocab_size, rows=32, block_tokens=32)
     step = eqx.filter_jit(eqx.filter_value_and_grad(loss, has_aux=True))
     (_, plain), _ = step(model, ids)
+    dp = {str(n): data_parallel(n, model, ids, step, plain) for n in sorted({1, devices})}
+    got = {"dp": dp, "fsdp": fsdp()}
+    with open(out, "w") as f:
+        json.dump(got, f)
+
+
+def data_parallel(devices, model, ids, step, plain) -> dict:  # type: ignore[no-untyped-def]
+    """``step`` on ``ids`` split over the first ``devices`` devices, against its unsharded
+    log-probabilities ``plain`` (see the module docstring)."""
+    import haliax as hax
+    import jax
+    import numpy as np
 
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ("data",))
     with hax.partitioning.set_mesh(mesh), hax.axis_mapping({"batch": "data"}):

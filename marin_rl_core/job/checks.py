@@ -280,22 +280,22 @@ def check_run_dir_writable(run_dir: Path) -> None:
                             resumable=False)  # fmt: skip
 
 
-def check_storage(config: RLJobConfig, registry: Any, run_id: str, run_dir: Path) -> None:
-    """The rollout storage's own ``check()``, where it has one (a bucket that answers: the
-    ``gcs`` storage's), on a storage built for the purpose and closed again, before the job
-    starts Ray and its workers. A storage without one is only built (as the driver builds it
-    later)."""
+def checked_storage(config: RLJobConfig, registry: Any, run_id: str, run_dir: Path) -> Any:
+    """The job's rollout storage, built and, where it has a ``check()`` (a bucket that answers:
+    the ``gcs`` storage's), checked before the job starts Ray and its workers; the actors get
+    this one. A failed check closes it."""
     from marin_rl_core.types import RunInfo
 
     storage = registry.get("storage", config.storage.name).build(
         config.storage.config, RunInfo(run_id=run_id, run_dir=str(run_dir))
     )
-    if getattr(storage, "check", None) is None:
-        return
-    try:
-        storage.check()
-    finally:
-        storage.close()
+    if getattr(storage, "check", None) is not None:
+        try:
+            storage.check()
+        except BaseException:
+            storage.close()
+            raise
+    return storage
 
 
 def _read_only(path: Path) -> bool:

@@ -54,7 +54,7 @@ from marin_rl_core.job.checks import (
     check_resources,
     check_run_dir_filesystem,
     check_run_dir_writable,
-    check_storage,
+    checked_storage,
     first_line,
     preflight_problems,
     probe_ray_address,
@@ -322,11 +322,12 @@ class RLJob:
         import ray
 
         config = self.saved_config()
-        check_storage(config, self.registry, self.run_id, self.run_dir)  # before Ray
-        started_ray = self._start_ray()
-        # After ray.init, which installs its own SIGTERM handler (exit 1, no checkpoint).
-        restore_sigterm = handle_sigterm()
+        storage = checked_storage(config, self.registry, self.run_id, self.run_dir)  # before Ray
+        started_ray, restore_sigterm = False, None
         try:
+            started_ray = self._start_ray()
+            # After ray.init, which installs its own SIGTERM handler (exit 1, no checkpoint).
+            restore_sigterm = handle_sigterm()
             ray_address = ray.get_runtime_context().gcs_address
             nodes = [n for n in ray.nodes() if n.get("Alive")]
             check_resources(config, [n["Resources"] for n in nodes])
@@ -343,16 +344,21 @@ class RLJob:
                 ", ".join(str(n.get("NodeManagerAddress")) for n in nodes),
             )
             try:
-                return self._run_actors(config, ray_address, progress)
+                return self._run_actors(config, storage, ray_address, progress)
             except Exception as exc:
                 raise self._user_error(exc) from None
         finally:
-            restore_sigterm()
+            if restore_sigterm is not None:
+                restore_sigterm()
             if self._log_handler is not None:
                 logging.getLogger().removeHandler(self._log_handler)
                 self._log_handler.close()
                 self._log_handler = None
             upload_now()  # a run directory on a bucket: driver.log as far as here
+            try:
+                storage.close()
+            except Exception:  # noqa: BLE001 - e.g. the queue actor already gone with Ray
+                logger.debug("closing the rollout storage failed", exc_info=True)
             if started_ray:
                 self._stop_ray()
 
@@ -377,18 +383,15 @@ class RLJob:
             f"checkpoint is kept (resume with `{self.resume_command()}`)."
         )
 
-    def _run_actors(self, config: RLJobConfig, ray_address: str, progress: bool) -> JobResult:
+    def _run_actors(
+        self, config: RLJobConfig, storage: Any, ray_address: str, progress: bool
+    ) -> JobResult:
         import ray
 
         trainer_wc, rollout_wcs = self.to_worker_configs()
         faults = config.faults
         actors: list[Any] = []
         placed = None  # the trainer hosts' placement group
-        from marin_rl_core.types import RunInfo
-
-        storage = self.registry.get("storage", config.storage.name).build(
-            config.storage.config, RunInfo(run_id=self.run_id, run_dir=str(self.run_dir))
-        )
         try:
             hub_name = f"marinrl-{self.run_id}-{os.urandom(4).hex()}-hub"
             # The trainer and rollout workers first: Ray starts as many worker processes as the
@@ -478,10 +481,6 @@ class RLJob:
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(placed)
-            try:
-                storage.close()
-            except Exception:  # noqa: BLE001 - e.g. the queue actor already gone with Ray
-                logger.debug("closing the rollout storage failed", exc_info=True)
         return JobResult(
             run_dir=self.run_dir,
             final_step=final_step,
