@@ -28,7 +28,8 @@ def tests(session: nox.Session) -> None:
     # Two workers: the machines this runs on have two cores, and a test file's jobs start
     # several processes of their own (docs/development.md#tests).
     start = time.monotonic()
-    session.run("pytest", "-n", "2", "--dist", "loadfile")
+    # Files in the order tests/conftest.py gives them (the longest first), not xdist's.
+    session.run("pytest", "-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
     minutes, seconds = divmod(round(time.monotonic() - start), 60)
     session.log(f"the test suite took {minutes}:{seconds:02d}")
 

@@ -234,7 +234,7 @@ def test_a_storage_that_does_not_answer_is_named_after_bounded_retries(tmp_path,
     pytest.importorskip("gcsfs")
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
     monkeypatch.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    storage = storage_at(tmp_path, "gs://no-such-bucket/rollouts", call_timeout_s=5.0, retries=1)
+    storage = storage_at(tmp_path, "gs://no-such-bucket/rollouts", call_timeout_s=1.0, retries=1)
     reader = storage.reader()
     start = time.monotonic()
     with pytest.raises(StorageUnavailableError) as raised:

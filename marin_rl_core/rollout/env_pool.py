@@ -254,12 +254,22 @@ class _EnvProcess:
             self._fail_all(f"env process {self.index} (pid {self.process.pid}) died ({exc})")
         return future
 
-    def kill(self) -> None:
-        if self.process.is_alive():
+    def kill(self, why: str = "") -> None:
+        """Stop the process if it still runs, and fail the calls it held. A process that had
+        already exited (found dead before its reader saw the pipe close) failed them by dying:
+        they say so, with ``why`` (its exit code), not that it was stopped."""
+        exited = not self.process.is_alive()
+        if not exited:
             self.process.kill()
         self.process.join(timeout=5)
         self.conn.close()
-        self._fail_all(f"env process {self.index} was stopped")
+        if exited:
+            self._fail_all(
+                f"env process {self.index} (pid {self.process.pid}) died"
+                + (f" ({why})" if why else "")
+            )
+        else:
+            self._fail_all(f"env process {self.index} was stopped")
 
 
 class _RemoteEpisode:
@@ -335,7 +345,7 @@ class EnvProcessPool:
 
     def _restart(self, index: int, *, why: str) -> None:
         old = self.processes[index]
-        old.kill()
+        old.kill(why)
         self.restarts += 1
         logger.warning(
             "env %s: process %d (pid %s) is replaced (%s); its episodes failed",
