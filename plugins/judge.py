@@ -144,9 +144,13 @@ class JudgmentCache:
             row = self._db.execute("SELECT reply FROM judgments WHERE key = ?", (key,)).fetchone()
         return None if row is None else str(row[0])
 
-    def put(self, key: str, reply: str) -> None:
+    def put(self, replies: dict[str, str]) -> None:
+        """Keep ``replies`` (key -> reply) in one transaction: a batch's thousands of replies
+        are one commit, not one each (each commit waits for the disk)."""
         with self._lock, self._db:
-            self._db.execute("INSERT OR REPLACE INTO judgments VALUES (?, ?)", (key, reply))
+            self._db.executemany(
+                "INSERT OR REPLACE INTO judgments VALUES (?, ?)", list(replies.items())
+            )
 
 
 class Endpoint:
@@ -339,9 +343,12 @@ class Judge:
             fresh = self._backend.complete(asked)
             answered.update(fresh)
             self.last_error = self._backend.last_error or self.last_error
-            for key, reply in fresh.items():
-                if self._cache is not None and reply is not None and self._grade(reply) is not None:
-                    self._cache.put(key, reply)  # (an unparsable reply is asked again next time)
+            if self._cache is not None:  # (an unparsable reply is asked again next time)
+                graded = {
+                    k: r for k, r in fresh.items() if r is not None and self._grade(r) is not None
+                }
+                if graded:
+                    self._cache.put(graded)
         return [answered[k] for k in keys]
 
     def score(self, items: Sequence[RewardInput]) -> list[float | None]:

@@ -45,6 +45,10 @@ class JudgeServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            # Keep-alive, as a real server (vLLM's) answers: with HTTP/1.0 every request was a
+            # new connection, most of a judged job's rollout worker's CPU.
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args: Any) -> None:
                 pass
 

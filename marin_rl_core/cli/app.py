@@ -371,8 +371,10 @@ def report(
 def main() -> None:
     """Console-script entry point. An error no command turned into a message (a bug, or a
     failure nobody foresaw) is one line on the console; its traceback goes to a log file."""
+    from marin_rl_core import deferred_imports
     from marin_rl_core.cli import stray_errors
 
+    deferred_imports.defer()  # before eval and export import levanter
     stray_errors.install()  # late "Event loop is closed" reports go to the log
     try:
         app()

@@ -176,6 +176,9 @@ class _SetUpError:
     _setup_error: MarinRLError | None = None
 
     def _set_up(self, fn: Any) -> None:
+        from marin_rl_core import deferred_imports
+
+        deferred_imports.defer()  # before the set-up imports levanter
         try:
             fn()
         except MarinRLError as exc:

@@ -1,0 +1,66 @@
+"""marin_rl_core.deferred_imports: what levanter imports and a job's processes rarely use
+(``datasets``, ``transformers.models``) is imported on first use, and works as usual then. Each
+case runs in a fresh interpreter (the pytest process has imported everything already)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def _python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "USE_TORCH": "0"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_levanter_imports_without_them_and_each_works_on_first_use():
+    out = _python(
+        """
+        import sys
+        from marin_rl_core.deferred_imports import DeferredModule, defer
+
+        defer()
+        import levanter  # noqa: F401  (imports both, at its import)
+        import levanter.compat.hf_checkpoints  # noqa: F401
+        deferred = lambda name: isinstance(sys.modules.get(name), DeferredModule)
+        print("after levanter:", deferred("datasets"), deferred("transformers.models"))
+
+        import transformers
+        from transformers import AutoConfig, LlamaConfig
+        from transformers.models import auto  # a submodule: no need of the package's index
+        print("classes:", AutoConfig.__name__, LlamaConfig.__name__, auto.__name__)
+        print("still deferred:", deferred("transformers.models"))
+        names = transformers.models.MODEL_NAMES_MAPPING  # the package's own: imported now
+        print("index:", "llama" in names, deferred("transformers.models"))
+
+        import datasets
+        table = datasets.Dataset.from_dict({"a": [1, 2, 3]})
+        print("datasets:", table.num_rows, deferred("datasets"), bool(datasets.__version__))
+        """
+    )
+    assert "after levanter: True True" in out
+    assert "classes: AutoConfig LlamaConfig transformers.models.auto" in out
+    assert "still deferred: True" in out
+    assert "index: True False" in out
+    assert "datasets: 3 False True" in out
+
+
+def test_a_module_that_is_not_installed_fails_to_import_as_before():
+    out = _python(
+        """
+        from marin_rl_core.deferred_imports import defer
+
+        defer(("no_such_module_marinrl",))
+        try:
+            import no_such_module_marinrl  # noqa: F401
+        except ModuleNotFoundError as exc:
+            print("raised:", exc.name)
+        """
+    )
+    assert "raised: no_such_module_marinrl" in out
