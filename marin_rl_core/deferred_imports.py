@@ -1,11 +1,12 @@
 """Modules that levanter imports when it is imported but that a job's processes rarely use,
 imported on first use instead: half a second off the start of every trainer and rollout worker.
 
-``import levanter`` imports ``datasets`` (with pandas; levanter uses it only to read Hugging Face
-datasets) and ``transformers.models``, whose package ``__init__`` reads the ``__all__`` of some
-1,400 model files to build its lazy index (levanter's checkpoint converter only needs
-``transformers.models.auto`` and a model family's own package). Together 0.5 s of the 3.5 s a
-process spends importing (2-core machine, 2026-12-01). :func:`defer` puts a stand-in in their
+``import levanter`` imports ``datasets`` (levanter uses it only to read Hugging Face datasets),
+pandas (through ``datasets`` and ``deepdiff``, which uses it only to hash data frames) and
+``transformers.models``, whose package ``__init__`` reads the ``__all__`` of some 1,400 model
+files to build its lazy index (levanter's checkpoint converter only needs
+``transformers.models.auto`` and a model family's own package). Together 0.7 s of the 3.5 s a
+process spent importing (2-core machine, 2026-12-01). :func:`defer` puts a stand-in in their
 place when something imports them: it answers for its submodules (``transformers.models.auto``
 imports as usual) and imports the real module the first time anything else is asked of it
 (``datasets.load_dataset``, ``transformers.models.MODEL_NAMES``), after which it is that module.
@@ -22,7 +23,7 @@ import threading
 import types
 from typing import Any
 
-DEFERRED = ("datasets", "transformers.models")
+DEFERRED = ("datasets", "pandas", "transformers.models")
 """What :func:`defer` defers."""
 
 _lock = threading.RLock()

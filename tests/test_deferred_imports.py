@@ -1,5 +1,5 @@
 """marin_rl_core.deferred_imports: what levanter imports and a job's processes rarely use
-(``datasets``, ``transformers.models``) is imported on first use, and works as usual then. Each
+(``datasets``, pandas, ``transformers.models``) is imported on first use, and works as usual then. Each
 case runs in a fresh interpreter (the pytest process has imported everything already)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def test_levanter_imports_without_them_and_each_works_on_first_use():
         import levanter  # noqa: F401  (imports both, at its import)
         import levanter.compat.hf_checkpoints  # noqa: F401
         deferred = lambda name: isinstance(sys.modules.get(name), DeferredModule)
-        print("after levanter:", deferred("datasets"), deferred("transformers.models"))
+        print("after levanter:", *map(deferred, ("datasets", "pandas", "transformers.models")))
 
         import transformers
         from transformers import AutoConfig, LlamaConfig
@@ -42,13 +42,16 @@ def test_levanter_imports_without_them_and_each_works_on_first_use():
         import datasets
         table = datasets.Dataset.from_dict({"a": [1, 2, 3]})
         print("datasets:", table.num_rows, deferred("datasets"), bool(datasets.__version__))
+        import pandas
+        print("pandas:", len(table.to_pandas()), deferred("pandas"))
         """
     )
-    assert "after levanter: True True" in out
+    assert "after levanter: True True True" in out
     assert "classes: AutoConfig LlamaConfig transformers.models.auto" in out
     assert "still deferred: True" in out
     assert "index: True False" in out
     assert "datasets: 3 False True" in out
+    assert "pandas: 3 False" in out
 
 
 def test_a_module_that_is_not_installed_fails_to_import_as_before():
