@@ -1,15 +1,20 @@
 """Modules that levanter imports when it is imported but that a job's processes rarely use,
-imported on first use instead: half a second off the start of every trainer and rollout worker.
+imported on first use instead: 0.7 s off the start of every trainer and rollout worker.
 
 ``import levanter`` imports ``datasets`` (levanter uses it only to read Hugging Face datasets),
 pandas (through ``datasets`` and ``deepdiff``, which uses it only to hash data frames) and
 ``transformers.models``, whose package ``__init__`` reads the ``__all__`` of some 1,400 model
 files to build its lazy index (levanter's checkpoint converter only needs
-``transformers.models.auto`` and a model family's own package). Together 0.7 s of the 3.5 s a
-process spent importing (2-core machine, 2026-12-01). :func:`defer` puts a stand-in in their
-place when something imports them: it answers for its submodules (``transformers.models.auto``
-imports as usual) and imports the real module the first time anything else is asked of it
-(``datasets.load_dataset``, ``transformers.models.MODEL_NAMES``), after which it is that module.
+``transformers.models.auto`` and a model family's own package). Together 0.7 s of the 3.4 s a
+trainer process spent importing (2-core machine, 2026-12-01).
+
+:func:`defer` puts a stand-in (:class:`DeferredModule`) in their place when something imports
+them. The first use of the stand-in (an attribute: ``datasets.load_dataset``, ``dir(pandas)``)
+imports the real module, which takes its place; so does importing one of its submodules
+(``pandas.core.frame``, as unpickling a data frame does), which then runs with its package
+imported, as always. ``transformers.models`` alone lets its submodules import without the
+package (``transformers.models.auto``, ``transformers.models.llama``): its ``__init__`` only
+builds the index of their names.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import threading
 import types
 from typing import Any
 
-DEFERRED = ("datasets", "pandas", "transformers.models")
-"""What :func:`defer` defers."""
+DEFERRED = {"datasets": False, "pandas": False, "transformers.models": True}
+"""What :func:`defer` defers, each with whether its submodules import without it."""
 
 _lock = threading.RLock()
 _IMPORT_PROBES = frozenset(
@@ -33,16 +38,25 @@ _IMPORT_PROBES = frozenset(
 
 
 class DeferredModule(types.ModuleType):
-    """The stand-in: a package whose ``__path__`` is the real one's, so its submodules import
-    as usual; any other attribute imports the real module (once) and is read from it."""
+    """The stand-in for a module not imported yet; any use imports it (see the module
+    docstring)."""
+
+    _submodules_alone = False
 
     def __getattr__(self, name: str) -> Any:
         if name in _IMPORT_PROBES:
             raise AttributeError(name)  # what the import system looks for: not a use
         path = self.__dict__.get("__path__")
-        if path and importlib.machinery.PathFinder.find_spec(f"{self.__name__}.{name}", path):
+        if (
+            self._submodules_alone
+            and path
+            and importlib.machinery.PathFinder.find_spec(f"{self.__name__}.{name}", path)
+        ):
             return importlib.import_module(f"{self.__name__}.{name}")
         return getattr(_load(self), name)
+
+    def __dir__(self) -> list[str]:
+        return dir(_load(self))
 
 
 def _load(stand_in: DeferredModule) -> types.ModuleType:
@@ -75,49 +89,91 @@ def _load(stand_in: DeferredModule) -> types.ModuleType:
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, real: importlib.machinery.ModuleSpec):
-        self.real = real
+    def __init__(self, real: importlib.machinery.ModuleSpec, submodules_alone: bool):
+        self.real, self.submodules_alone = real, submodules_alone
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = DeferredModule(spec.name)
         module.__file__ = self.real.origin
+        module._submodules_alone = self.submodules_alone
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:
         """Nothing: the real module runs on first use."""
 
 
+class _Imported(importlib.abc.Loader):
+    """The loader of a module already imported: hands it over, and gives it its spec back."""
+
+    def __init__(self, module: types.ModuleType, spec: Any):
+        self.module, self.spec = module, spec
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return self.module
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__spec__ = self.spec
+
+
+def _as_imported(module: types.ModuleType) -> importlib.machinery.ModuleSpec:
+    """A spec for ``module`` (imported already) that the import system takes as it is: set as
+    its ``__spec__`` until then (the import system uses the ``__spec__`` of a module that a
+    finder imported)."""
+    real = module.__spec__
+    spec = importlib.machinery.ModuleSpec(
+        module.__name__, _Imported(module, real), origin=getattr(real, "origin", None)
+    )
+    module.__spec__ = spec
+    return spec
+
+
 class _Finder(importlib.abc.MetaPathFinder):
-    """Answers the import of a deferred module (not yet imported) with a stand-in."""
+    """Answers the import of a deferred module (not yet imported) with a stand-in, and the
+    import of a submodule of a stand-in that must not import alone by importing it first."""
 
     loading: set[str] = set()
 
-    def __init__(self, names: tuple[str, ...]):
-        self.names = frozenset(names)
+    def __init__(self, deferred: dict[str, bool]):
+        self.deferred = dict(deferred)
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name not in self.names or name in self.loading:
+        if name in self.loading:
+            return None
+        for package, alone in self.deferred.items():
+            if name.startswith(package + ".") and not alone:
+                stand_in = sys.modules.get(package)
+                if not isinstance(stand_in, DeferredModule):
+                    return None
+                _load(stand_in)
+                imported = sys.modules.get(name)
+                # Not imported by its package: found as usual. Imported: the import system
+                # would run it again from its spec (it looked up the parent before), unless the
+                # spec hands over the module as it is.
+                return None if imported is None else _as_imported(imported)
+        if name not in self.deferred:
             return None
         real = importlib.machinery.PathFinder.find_spec(name, path)
         if real is None:
             return None  # not installed: the import fails as it would have
         package = real.submodule_search_locations is not None
         spec = importlib.util.spec_from_loader(
-            name, _Loader(real), origin=real.origin, is_package=package
+            name, _Loader(real, self.deferred[name]), origin=real.origin, is_package=package
         )
         if spec is not None and package:
             spec.submodule_search_locations = list(real.submodule_search_locations or [])
         return spec
 
 
-def defer(names: tuple[str, ...] = DEFERRED) -> None:
-    """From now on, these modules (those not imported yet) are imported on first use.
+def defer(deferred: dict[str, bool] | None = None) -> None:
+    """From now on, these modules (those not imported yet) are imported on first use;
+    ``deferred`` maps each name to whether its submodules import without it (default:
+    :data:`DEFERRED`).
 
     Called by the processes marinrl starts (a job's Ray workers, the ``marinrl`` command)
     before anything imports levanter; idempotent."""
     with _lock:
         if any(isinstance(f, _Finder) for f in sys.meta_path):
             return
-        pending = tuple(n for n in names if n not in sys.modules)
+        pending = {n: a for n, a in (deferred or DEFERRED).items() if n not in sys.modules}
         if pending:
             sys.meta_path.insert(0, _Finder(pending))

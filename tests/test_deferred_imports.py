@@ -59,7 +59,7 @@ def test_a_module_that_is_not_installed_fails_to_import_as_before():
         """
         from marin_rl_core.deferred_imports import defer
 
-        defer(("no_such_module_marinrl",))
+        defer({"no_such_module_marinrl": False})
         try:
             import no_such_module_marinrl  # noqa: F401
         except ModuleNotFoundError as exc:
@@ -67,3 +67,40 @@ def test_a_module_that_is_not_installed_fails_to_import_as_before():
         """
     )
     assert "raised: no_such_module_marinrl" in out
+
+
+def test_a_submodule_imported_first_runs_once_with_its_package_imported():
+    """Unpickling a data frame imports ``pandas.core.frame`` before anything used ``pandas``:
+    the package is imported first (its submodules need it) and the submodule is not run a
+    second time (one ``DataFrame`` class, not two)."""
+    import pickle
+
+    import pandas
+
+    frame = pickle.dumps(pandas.DataFrame({"a": [1, 2, 3]}))
+    out = _python(
+        f"""
+        import collections, pickle, sys
+        from marin_rl_core.deferred_imports import DeferredModule, defer
+
+        runs = collections.Counter()  # each module body run, by file
+        sys.addaudithook(
+            lambda event, args: event == "exec" and runs.update([args[0].co_filename])
+        )
+        defer()
+        import pandas
+        print("deferred:", isinstance(sys.modules["pandas"], DeferredModule))
+        table = pickle.loads({frame!r})
+        import pandas.core.frame
+        print("one class:", type(table) is pandas.DataFrame is pandas.core.frame.DataFrame)
+        print("its spec:", pandas.core.frame.__spec__.origin.endswith("frame.py"), len(table))
+        from datasets.features import Features
+        import datasets
+        print("datasets:", Features is datasets.Features)
+        print("run twice:", [f for f, n in runs.items() if n > 1 and "site-packages" in f])
+        """
+    )
+    assert "deferred: True" in out
+    assert "one class: True" in out and "its spec: True 3" in out
+    assert "datasets: True" in out
+    assert "run twice: []" in out
