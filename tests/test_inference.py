@@ -283,6 +283,33 @@ def test_new_weights_are_used_after_update_model(engine, models, tok):
         np.testing.assert_allclose(s.logprobs, w, atol=1e-4)
 
 
+def test_weights_as_a_transfer_delivers_them_compile_nothing_new(engine, models, tok):
+    """A worker warms its sampler up on the model it built (its arrays not committed to a
+    device), then samples the same shapes with the trainer's weights, which a weight transfer
+    delivers committed to the device (``jax.device_put(x, sharding)``): nothing is compiled
+    again (XLA compiles a program apart for committed arguments; the warm-up was wasted)."""
+    prompts = prompts_of(tok, 3)
+    engine.update_model(models[0])
+    for seed in (0, 1):  # (levanter's paged engine compiles its first call apart)
+        sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=seed)
+    delivered = jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, models[1]
+    )
+    lowered: list[str] = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        engine.update_model(delivered)
+        sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=2)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert lowered == [], f"{len(lowered)} programs compiled again for the delivered weights"
+
+
 def test_more_samples_than_slots_are_chunked(fresh, models, tok):
     prompts = [tok.encode(f"{a}*{b}=", add_bos=True) for a in range(5) for b in range(4)]
     out = sample_prompts(

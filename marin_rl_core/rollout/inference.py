@@ -109,6 +109,13 @@ def row_keys(seed: jax.Array, fold: jax.Array, sample: jax.Array) -> jax.Array:
     return jax.vmap(one)(seed, fold, sample)
 
 
+def committed(x: Any) -> Any:
+    """``x`` (an array) committed to the devices it is on; anything else as it is."""
+    if isinstance(x, jax.Array) and not x.committed:
+        return jax.device_put(x, x.sharding)
+    return x
+
+
 class Sampler:
     """What both samplers share: the model in the engine's dtype, sharded over an optional mesh,
     and weight swaps that must keep the architecture."""
@@ -140,12 +147,16 @@ class Sampler:
             yield
 
     def _place(self, model: LmHeadModel) -> LmHeadModel:
-        """``model`` in the engine's dtype, sharded over its mesh (if it has one)."""
+        """``model`` in the engine's dtype, sharded over its mesh (if it has one), its arrays
+        committed to their devices either way: weights a transfer delivers are (placed like the
+        ones they replace), and XLA compiles a program again for committed arguments where it
+        had uncommitted ones, so a warm-up on a model built in the process would compile the
+        sampler's programs once for nothing (each again after the first weights came)."""
         model = cast_floating(model, self.compute_dtype)
         if self.mesh is not None:
             with self._on_mesh():
                 model = hax.shard(model, self.axis_mapping)
-        return model
+        return jax.tree.map(committed, model)
 
     @property
     def model(self) -> LmHeadModel:

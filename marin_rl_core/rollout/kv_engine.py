@@ -49,7 +49,7 @@ import numpy as np
 from levanter.models.lm_model import LmHeadModel
 
 from marin_rl_core.generation import GenerationRequest, Sample
-from marin_rl_core.rollout.inference import Sampler, check_requests
+from marin_rl_core.rollout.inference import Sampler, check_requests, committed
 from marin_rl_core.rollout.kv_decode import (
     DecodeState,
     check_model,
@@ -237,7 +237,9 @@ class KVCacheEngine(Sampler):
             state = make()
         sharding = self._cache_sharding(kv_heads)
         if sharding is None:
-            return state
+            # Committed, as the state every prefill and round returns is: the first prefill
+            # then runs the program the later ones run (see Sampler._place).
+            return jax.tree.map(committed, state)
         return dataclasses.replace(
             state,
             k=tuple(jax.device_put(x, sharding) for x in state.k),
