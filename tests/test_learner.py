@@ -1,8 +1,10 @@
 """The learner's train step warm-up: the first step on a batch of the warmed-up shapes does not
-trace the step again (issue 11: tracing it after the first rollouts arrived cost ~1 s of
+trace the step again, and the warm-up traces the shapes the first batch will have (issue 11: tracing it after the first rollouts arrived cost ~1 s of
 start-up on a 2-core machine)."""
 
 from __future__ import annotations
+
+import time
 
 import jax
 import numpy as np
@@ -68,6 +70,45 @@ def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
     assert traces == [(8, 8)], "the first step traced its step again"
     # Longer rollouts make rows of 16 positions: a step of new shapes traces (the counter works).
     learner.step(state, batch_of(short_rollouts(8, tok, 8)))
+    assert traces == [(8, 8), (8, 16)]
+
+
+def test_the_step_warms_up_for_rows_as_long_as_the_first_rollouts_will_be():
+    """The trainer's warm-up traces the step for the rows the rollout workers' warm-up batch
+    says the first rollouts will fill (a mock job's 16 positions, not the 8 of short answers,
+    which it traced for nothing); without word, short rows; and a first batch that comes
+    while it still waits for word starts it no more (that step traces itself)."""
+    from marin_rl_core.learner.step_updates import StepUpdates
+
+    registry = build_registry()
+    config = resolve_config(
+        registry,
+        selections={"env": "math", "loss": "rloo"},
+        overrides=["trainer.batch_size=8", "model.max_seq_len=32", "loss.kl_coef=0.0"],
+    )
+    tok = model_tokenizer(config.model)
+    learner = Learner(config.trainer)
+    inner = plugin_loss_fn(registry.get("loss", "rloo").build(config.loss.config).build(None))
+    traces = []
+
+    def counted(model, batch, *, key):  # runs in Python only while JAX traces the step
+        traces.append(batch.input_ids.array.shape)
+        return inner(model, batch, key=key)
+
+    learner.set_loss(counted)
+    state = learner.init_state(initial_model(config, tok), key=jax.random.PRNGKey(0))
+    updates = StepUpdates(config, learner.plan, learner, pad_id=tok.pad_id)
+    updates.start_warm_up(state, lambda cancelled: None).finish()
+    assert traces == [(8, 8)]
+    updates.start_warm_up(state, lambda cancelled: 12).finish()
+    assert traces == [(8, 8), (8, 16)]
+    waiting = updates.start_warm_up(state, lambda cancelled: cancelled.wait(60) and None)
+    start = time.monotonic()
+    waiting.finish()
+    assert time.monotonic() - start < 30 and not waiting.thread.is_alive()
+    assert traces == [(8, 8), (8, 16)]
+    # What it traced is the step a batch of such rollouts takes: not traced again.
+    learner.step(state, updates.training_batch(short_rollouts(8, tok, 9), np.zeros(8)))
     assert traces == [(8, 8), (8, 16)]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -130,6 +131,19 @@ class JobHub(MetricsHub, CurriculumService):
     def __init__(self, run_dir: str, trackers: Any, run_id: str, wc: WorkerConfig):
         MetricsHub.__init__(self, run_dir, trackers, run_id)
         CurriculumService.__init__(self, wc)
+        self._warmed_up: dict[int, int | None] = {}
+
+    def warmed_up(self, index: int, tokens: int | None) -> None:
+        """Rollout worker ``index`` set up, its sampler warmed up on a batch whose longest
+        rollout had ``tokens`` tokens (``None``: no warm-up, or nothing came of it)."""
+        self._warmed_up.setdefault(int(index), None if tokens is None else int(tokens))
+
+    def warm_up_tokens(self) -> tuple[bool, int | None]:
+        """Whether a rollout worker has set up, and the longest rollout of its warm-up batch."""
+        if not self._warmed_up:
+            return False, None
+        tokens = [t for t in self._warmed_up.values() if t is not None]
+        return True, max(tokens) if tokens else None
 
 
 class CurriculumProxy:
@@ -215,6 +229,28 @@ def _job_actor(name: str, *, timeout: float = 60.0) -> Any:
             time.sleep(0.05)
 
 
+WARM_UP_WAIT_S = 120.0
+"""How long the trainer's step warm-up waits to hear how long the rollout workers' first
+rollouts are (their own warm-up batch); then it warms up for short ones."""
+
+
+def _warm_up_tokens(hub: Any, cancelled: threading.Event) -> int | None:
+    """The longest rollout of a rollout worker's warm-up batch, once one has set up (``None``:
+    none said within :data:`WARM_UP_WAIT_S`, or ``cancelled`` was set: the first batch came)."""
+    import ray
+
+    deadline = time.monotonic() + WARM_UP_WAIT_S
+    while not cancelled.is_set() and time.monotonic() < deadline:
+        try:
+            ready, tokens = ray.get(hub.warm_up_tokens.remote(), timeout=LOG_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a hint only: warm up for short rollouts
+            return None
+        if ready:
+            return tokens
+        cancelled.wait(0.2)
+    return None
+
+
 class TrainerService(_SetUpError):
     """The trainer process (a Ray actor). ``ready()`` returns once its weight server is up.
 
@@ -279,6 +315,7 @@ class TrainerService(_SetUpError):
             # metrics.jsonl on a bucket as far as the checkpoint (not awaited: an upload never
             # holds training up).
             on_checkpoint=lambda step: hub.upload.remote(),
+            first_rollout_tokens=lambda cancelled: _warm_up_tokens(hub, cancelled),
         )
 
     def ready(self) -> dict[str, Any]:
@@ -387,6 +424,7 @@ class RolloutService(_SetUpError):
             model=initial_model,  # (colocated: the trainer's weights, handed over)
         )
         self.worker.warm_up()  # compiles while the trainer sets up
+        hub.warmed_up.remote(wc.index, self.worker.warm_up_tokens)  # the trainer's warm-up waits
         if ray.get_runtime_context().was_current_actor_reconstructed:
             self.worker.seed_salt += int.from_bytes(os.urandom(4), "little") << 32
             logger.warning("rollout worker %d restarted after its process died", wc.index)

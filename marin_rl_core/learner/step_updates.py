@@ -17,6 +17,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,19 @@ from marin_rl_core.protocols import LossPlan
 from marin_rl_core.types import Rollout
 
 logger = logging.getLogger(__name__)
+
+
+class WarmUp:
+    """The train step's warm-up (:meth:`StepUpdates.start_warm_up`), running."""
+
+    def __init__(self, thread: threading.Thread, cancelled: threading.Event):
+        self.thread, self.cancelled = thread, cancelled
+
+    def finish(self) -> None:
+        """The first batch is here: stop waiting to start (its step traces itself), or wait for
+        the tracing to end (never trace the same step twice at once)."""
+        self.cancelled.set()
+        self.thread.join()
 
 
 class NonFiniteUpdate(Exception):
@@ -85,22 +99,31 @@ class StepUpdates:
         unit = t.microbatch_size or self.learner.sizes["batch_shards"]
         return math.lcm(max(1, size // 8), unit)
 
-    def training_batch(self, rollouts: list[Rollout], advantages: np.ndarray) -> Any:
-        """The training batch of one optimizer update (``minibatch_size`` rollouts at most)."""
+    def training_batch(
+        self, rollouts: list[Rollout], advantages: np.ndarray, *, longest: int | None = None
+    ) -> Any:
+        """The training batch of one optimizer update (``minibatch_size`` rollouts at most);
+        ``longest``: trimmed rows as long as for a rollout of that many tokens, at least (what
+        the warm-up's batch of no rollouts is given)."""
         from marin_rl_core.learner.training_batch import training_batch_from_rollouts
+        from marin_rl_core.models.packing import row_length
 
         # Behaviour logprobs are of the tempered distribution; the loss tempers each row alike.
         temperature = [self._temperature[r.lesson_id] for r in rollouts]
+        max_seq_len = self.config.model.max_seq_len
+        trim = self.config.trainer.trim_rows
+        if trim and longest is not None and not rollouts:
+            max_seq_len, trim = row_length(longest, max_seq_len), False
         return training_batch_from_rollouts(
             rollouts,
             advantages,
-            self.config.model.max_seq_len,
+            max_seq_len,
             self._pad_id,
             temperature=temperature,
             batch_size=self.minibatch_size,
             pack=self.config.trainer.pack_rollouts,
             row_multiple=self.row_multiple(self.minibatch_size),
-            trim=self.config.trainer.trim_rows,
+            trim=trim,
             **batch_options(self.plan),
         )
 
@@ -153,20 +176,34 @@ class StepUpdates:
         }  # fmt: skip
         return state, {name: combine[metric_reduction(name)](v) for name, v in totals.items()}
 
-    def start_warm_up(self, state: Any) -> threading.Thread | None:
+    def start_warm_up(
+        self,
+        state: Any,
+        first_rollout_tokens: Callable[[threading.Event], int | None] | None = None,
+    ) -> WarmUp | None:
         """Trace the train step in the background while the first rollouts are generated: the
         first step otherwise spends ~1 s of a 2-core machine tracing and lowering it after
-        they arrive (issue 11). The shapes are those of a batch whose rollouts all fit the
-        shortest trimmed row (8 tokens: short answers, as the default task has) or, with
-        ``trim_rows`` off, of every batch; packed batches vary in rows, so they get none. A
-        first batch of other shapes traces its own step as before: what the warm-up made goes
-        unused, and no XLA compile is wasted on it (see :meth:`Learner.warm_up`)."""
+        they arrive (issue 11). With ``trim_rows`` (rows as long as the batch's longest
+        rollout, rounded up) its rows are as long as ``first_rollout_tokens`` says the first
+        rollouts will be: the job asks the rollout workers' warm-up batch, sampled with the
+        same weights (it waits for them, while they set up, unless the first batch comes
+        first); without an answer, as short as a trimmed row gets (8 positions: short answers,
+        as the default task has). Without ``trim_rows``, every batch's shapes; packed batches
+        vary in rows, so they get none. A first batch of other shapes traces its own step as
+        before: what the warm-up made goes unused, and no XLA compile is wasted on it (see
+        :meth:`Learner.warm_up`)."""
         if self.config.trainer.pack_rollouts:
             return None
-        batch = self.training_batch([], np.zeros(0, np.float32))
+        cancelled = threading.Event()
 
         def warm_up() -> None:
             start = time.monotonic()
+            tokens = None
+            if first_rollout_tokens is not None and self.config.trainer.trim_rows:
+                tokens = first_rollout_tokens(cancelled)
+            if cancelled.is_set():
+                return  # the first batch came first: its step traces itself
+            batch = self.training_batch([], np.zeros(0, np.float32), longest=tokens)
             try:
                 self.learner.warm_up(state, batch)
             except Exception:  # the first real step reports what is wrong, with its batch
@@ -181,4 +218,4 @@ class StepUpdates:
 
         thread = threading.Thread(target=warm_up, name="marinrl-step-warm-up", daemon=True)
         thread.start()
-        return thread
+        return WarmUp(thread, cancelled)

@@ -93,6 +93,10 @@ class Trainer:
         curriculum_state: returns the curriculum's state to save beside checkpoints.
         on_checkpoint: called after each checkpoint with its step (the job has the metrics
             hub upload ``metrics.jsonl`` then, for a run directory on a bucket).
+        first_rollout_tokens: ``first_rollout_tokens(cancelled)``, the most tokens the first
+            rollouts will likely have (the rollout workers' warm-up batch; ``None``: not known),
+            waiting until ``cancelled`` is set at most: the step's warm-up traces rows of that
+            length (:meth:`StepUpdates.start_warm_up`).
     """
 
     def __init__(
@@ -106,6 +110,7 @@ class Trainer:
         log: Callable[..., Any] | None = None,
         curriculum_state: Callable[[], dict[str, Any]] | None = None,
         on_checkpoint: Callable[[int], None] | None = None,
+        first_rollout_tokens: Callable[[threading.Event], int | None] | None = None,
     ):
         import jax
 
@@ -116,6 +121,7 @@ class Trainer:
         self.run_dir = run_path(run_dir)
         self._samples = growing_file(run_dir, "samples.jsonl")
         self._on_checkpoint = on_checkpoint or (lambda step: None)
+        self._first_rollout_tokens = first_rollout_tokens
         self.reader: RolloutReader | None = None
         self.weight_server = weight_server
         self._log = log or (lambda metrics, *, step, source: None)
@@ -443,7 +449,9 @@ class Trainer:
         self.publish()
         # (no warm-up in a trainer group: it places collectively)
         warm = self.step < total and not self.group.grouped
-        warm_up = self.updates.start_warm_up(self.state) if warm else None
+        warm_up = (
+            self.updates.start_warm_up(self.state, self._first_rollout_tokens) if warm else None
+        )
         # Seconds per stage, summed over the steps since the last logged row: each row holds
         # their means per step, so rows average to the true split whatever log_every is.
         stages: dict[str, float] = dict.fromkeys(STAGE_KEYS, 0.0)
@@ -451,10 +459,12 @@ class Trainer:
         while self.step < total:
             got = self._wait_for_batch()
             if got is None:
+                if warm_up is not None:
+                    warm_up.cancelled.set()  # stopped before any batch: nothing to warm up for
                 break
             rollouts, advantages, waited = got
-            if warm_up is not None:  # never trace the same step twice at once
-                warm_up.join()
+            if warm_up is not None:
+                warm_up.finish()
                 warm_up = None
             metrics = self.train_one_step(rollouts, advantages)
             self.replay.set_current_step(self.step)

@@ -119,6 +119,9 @@ class RolloutWorker:
         self.seed_salt = 0
         """Mixed into every sampling seed: a random nonce in a rollout worker process that Ray
         restarted, so that it does not draw again what its dead predecessor drew."""
+        self.warm_up_tokens: int | None = None
+        """The most tokens of a rollout of the warm-up batch (``None``: no warm-up): the
+        trainer warms its step up for rows of that length (the first batches' likely length)."""
         self.weight_step = -1  # nothing received yet
         self.weight_syncs = 0
         self.weight_errors = 0
@@ -249,7 +252,7 @@ class RolloutWorker:
         first = next(iter(manager.lessons))
         try:
             sampling = config.sampling_for(manager.lessons[first])
-            manager.sample_batch(
+            batch, _ = manager.sample_batch(
                 first,
                 n_examples=sampling.n_prompts,
                 n_generations=sampling.n_generations_per_prompt,
@@ -259,6 +262,8 @@ class RolloutWorker:
                 worker_id=self.worker_id,
                 warm_up=True,
             )
+            if batch is not None and batch.rollouts:
+                self.warm_up_tokens = max(r.num_tokens for r in batch.rollouts)
         except Exception as exc:  # noqa: BLE001 - warming up is an optimisation only
             logger.warning("warming up the sampler failed (%s: %s)", type(exc).__name__, exc)
         seconds = time.monotonic() - start
