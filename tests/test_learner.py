@@ -35,18 +35,18 @@ def short_rollouts(n: int, tok, response_len: int) -> list[Rollout]:
     ]
 
 
-def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
+def counted_learner(max_seq_len: int):
+    """An rloo learner on batches of 8 whose step appends its batch's shape to ``traces`` each
+    time JAX traces it: ``(config, tok, learner, state, traces)``."""
     registry = build_registry()
     config = resolve_config(
         registry,
         selections={"env": "math", "loss": "rloo"},
-        overrides=["trainer.batch_size=8", "model.max_seq_len=16", "loss.kl_coef=0.0"],
+        overrides=["trainer.batch_size=8", f"model.max_seq_len={max_seq_len}", "loss.kl_coef=0.0"],
     )
     tok = model_tokenizer(config.model)
-    model = initial_model(config, tok)
     learner = Learner(config.trainer)
-    loss = registry.get("loss", "rloo").build(config.loss.config).build(None)
-    inner = plugin_loss_fn(loss)
+    inner = plugin_loss_fn(registry.get("loss", "rloo").build(config.loss.config).build(None))
     traces = []
 
     def counted(model, batch, *, key):  # runs in Python only while JAX traces the step
@@ -54,7 +54,12 @@ def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
         return inner(model, batch, key=key)
 
     learner.set_loss(counted)
-    state = learner.init_state(model, key=jax.random.PRNGKey(0))
+    state = learner.init_state(initial_model(config, tok), key=jax.random.PRNGKey(0))
+    return config, tok, learner, state, traces
+
+
+def test_a_warmed_up_step_is_not_traced_again_when_the_first_batch_comes():
+    config, tok, learner, state, traces = counted_learner(16)
 
     def batch_of(rollouts):
         return training_batch_from_rollouts(
@@ -80,23 +85,7 @@ def test_the_step_warms_up_for_rows_as_long_as_the_first_rollouts_will_be():
     while it still waits for word starts it no more (that step traces itself)."""
     from marin_rl_core.learner.step_updates import StepUpdates
 
-    registry = build_registry()
-    config = resolve_config(
-        registry,
-        selections={"env": "math", "loss": "rloo"},
-        overrides=["trainer.batch_size=8", "model.max_seq_len=32", "loss.kl_coef=0.0"],
-    )
-    tok = model_tokenizer(config.model)
-    learner = Learner(config.trainer)
-    inner = plugin_loss_fn(registry.get("loss", "rloo").build(config.loss.config).build(None))
-    traces = []
-
-    def counted(model, batch, *, key):  # runs in Python only while JAX traces the step
-        traces.append(batch.input_ids.array.shape)
-        return inner(model, batch, key=key)
-
-    learner.set_loss(counted)
-    state = learner.init_state(initial_model(config, tok), key=jax.random.PRNGKey(0))
+    config, tok, learner, state, traces = counted_learner(32)
     updates = StepUpdates(config, learner.plan, learner, pad_id=tok.pad_id)
     updates.start_warm_up(state, lambda cancelled: None).finish()
     assert traces == [(8, 8)]
