@@ -1,7 +1,8 @@
 """What users read of the rollouts the trainer trained on: ``samples.jsonl`` in the run directory,
 a few rollouts of each step (``logging.samples_per_step``) decoded, turn by turn; the rollout
 workers' evals keep as many of each lesson's held-out rollouts the same way
-(``eval_samples.jsonl``, through the :class:`~marin_rl_core.metrics.MetricsHub`)."""
+(``eval_samples.jsonl``, through the :class:`~marin_rl_core.metrics.MetricsHub`). And the
+figures of a step's rollouts in its ``train`` row (:func:`rollout_metrics`)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,15 @@ def zero_variance_fraction(rollouts: list[Rollout]) -> float:
     if not sized:
         return 0.0
     return float(np.mean([max(g) == min(g) for g in sized]))
+
+
+def rollout_metrics(rollouts: list[Rollout], *, trained_at: int) -> dict[str, float]:
+    """What a step's rollouts say in its ``train`` row: their mean reward, the
+    :func:`zero_variance_fraction` of their groups, and how many steps behind ``trained_at``
+    (the weights' step trained on) the weights that sampled them were, on average."""
+    lags = [trained_at - r.metadata.weight_step for r in rollouts if r.metadata]
+    return {
+        "reward": float(np.mean([r.reward for r in rollouts])),
+        "frac_zero_variance_groups": zero_variance_fraction(rollouts),
+        "mean_weight_lag": float(np.mean(lags)) if lags else float("nan"),
+    }

@@ -50,7 +50,7 @@ from marin_rl_core.learner.loss import (
     policy_of,
 )
 from marin_rl_core.learner.optimizer import make_schedule
-from marin_rl_core.learner.samples import write_samples, zero_variance_fraction
+from marin_rl_core.learner.samples import rollout_metrics, write_samples
 from marin_rl_core.learner.setup import describe_figures, parameter_figures, set_up_training
 from marin_rl_core.learner.step import all_finite
 from marin_rl_core.learner.step_updates import NonFiniteUpdate, StepUpdates
@@ -468,16 +468,9 @@ class Trainer:
                 warm_up = None
             metrics = self.train_one_step(rollouts, advantages)
             self.replay.set_current_step(self.step)
-            metrics.update(
-                learning_rate=float(self._schedule((self.step - 1) * self.plan.updates_per_step)),
-                reward=float(np.mean([r.reward for r in rollouts])),
-                frac_zero_variance_groups=zero_variance_fraction(rollouts),
-                mean_weight_lag=float(
-                    np.mean(
-                        [self.step - 1 - r.metadata.weight_step for r in rollouts if r.metadata]
-                    )
-                ),
-            )
+            metrics.update(rollout_metrics(rollouts, trained_at=self.step - 1))
+            updates_before = (self.step - 1) * self.plan.updates_per_step
+            metrics["learning_rate"] = float(self._schedule(updates_before))
             metrics.update({f"replay/{k}": v for k, v in self.replay.metrics().items()})
             metrics.update(self._figures)  # (the first row after a start only)
             self._figures = {}
