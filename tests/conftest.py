@@ -21,10 +21,13 @@ QUICK_COMPILE_XLA_FLAGS = (
     "--xla_backend_optimization_level=0",
     "--xla_llvm_disable_expensive_passes=true",
     "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1",
 )
-"""XLA's CPU compiler without LLVM's optimizations and with its older fused-kernel emitter: the
-suite's programs are tiny and run a few times each, so compiling them is most of an in-process
-test's time; these flags halve it (docs/development.md#tests). What is computed is the same
+"""XLA's CPU compiler without LLVM's optimizations, with its older fused-kernel emitter, and
+generating each program's code in one piece (not split across threads, which on 2 cores cost a
+fifth more CPU): the suite's programs are tiny and run a few times each, so compiling them is
+most of an in-process test's time; these flags halve it (docs/development.md#tests). What is
+computed is the same
 program; only how well the CPU code is optimized differs. ``MARINRL_TESTS_OPTIMIZED_XLA=1``
 compiles as a user's job does."""
 

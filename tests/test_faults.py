@@ -975,8 +975,10 @@ for p in [me, *procs.values()]:
         if c.status == psutil.CONN_LISTEN:
             listening.add(c.laddr.ip)
 from ray._private.node import Node
+from ray._private import utils
 restored = all(getattr(Node, name).__name__ == name
                for name in ("start_monitor", "start_api_server", "start_log_monitor"))
+restored = restored and utils.get_dashboard_dependency_error.__module__ == utils.__name__
 job._stop_ray()
 print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AUTH_MODE"),
                   "commands": commands, "restored": restored}))
@@ -986,7 +988,7 @@ print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AU
 def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     """...and starts no API server, autoscaler monitor or log monitor: a one-node job whose
     workers log to the run directory needs none, and starting them took ~4 s of its start-up
-    (issue 11)."""
+    (issue 11); the raylet's dashboard agent runs without the modules that serve them."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     proc = subprocess.run(
         [sys.executable, "-c", LOOPBACK_PROBE], capture_output=True, text=True, timeout=300,
@@ -1000,6 +1002,10 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     assert "Token authentication" not in proc.stderr
     commands = "\n".join(found["commands"])
     assert "raylet" in commands and "gcs_server" in commands, commands
+    # (the agent renames its process: the raylet's command line has the agent's)
+    (raylet,) = [c for c in found["commands"] if "--dashboard_agent_command=" in c]
+    agent = raylet.split("--dashboard_agent_command=")[1].split(" --runtime_env_agent_command")[0]
+    assert "dashboard/agent.py" in agent and "--minimal" in agent.split(), agent
     for extra in (
         "ray/dashboard/dashboard.py",
         "ray/autoscaler/_private/monitor.py",

@@ -48,7 +48,10 @@ def lean_loopback_head() -> Iterator[None]:
       first two one after the other, and the log monitor's start competes for the CPU with the
       raylet's: together ~4 s of the job's start-up on a 2-core machine (issue 11). Ray has no
       public switch for them, so the three methods of Ray's ``Node`` that start them are
-      skipped; where a Ray version lacks one, Ray starts that process as usual. Want the
+      skipped; where a Ray version lacks one, Ray starts that process as usual. The raylet's
+      dashboard agent (which it needs) runs in Ray's minimal mode, as where the dashboard's
+      packages are not installed: its other modules serve the dashboard and the state API, and
+      checking for those packages imported them into the driver (0.2 s). Want the
       dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
       ``--ray-address``.
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
@@ -57,10 +60,12 @@ def lean_loopback_head() -> Iterator[None]:
       stops the trainer with a final checkpoint and then shuts Ray down. They still die with
       the driver (Ray's fate sharing).
     """
-    from ray._private import node, ray_constants, services
+    from ray._private import node, ray_constants, services, utils
 
     # (owner, attribute, value while the job's ray.init runs); each is put back after.
     patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
+    if hasattr(utils, "get_dashboard_dependency_error"):
+        patches.append((utils, "get_dashboard_dependency_error", _no_dashboard))
     patches += [
         (node.Node, name, _skip_head_process)
         for name in ("start_api_server", "start_monitor", "start_log_monitor")
@@ -81,6 +86,11 @@ def lean_loopback_head() -> Iterator[None]:
 
 def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _no_dashboard() -> ImportError:
+    """What Ray's check for its dashboard's packages answers (they are not imported)."""
+    return ImportError("this job's local Ray serves no dashboard")
 
 
 def no_token_auth_notice(record: logging.LogRecord) -> bool:
