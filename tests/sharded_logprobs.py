@@ -24,6 +24,9 @@ def _start_jax(devices: int) -> None:
     # value of a flag wins.
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    from marin_rl_core.deferred_imports import defer
+
+    defer()  # as in marinrl's own processes: what levanter imports and these need not
     os.environ["JAX_PLATFORMS"] = "cpu"
 
 

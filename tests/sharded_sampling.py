@@ -25,6 +25,9 @@ def main() -> None:
     # value of a flag wins.
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
+    from marin_rl_core.deferred_imports import defer
+
+    defer()  # as in marinrl's own processes: what levanter imports and these need not
     os.environ["JAX_PLATFORMS"] = "cpu"
 
     import jax
