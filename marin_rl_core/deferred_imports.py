@@ -285,12 +285,16 @@ def _keep(indexer: types.ModuleType) -> None:
 
 
 class _IndexFinder(importlib.abc.MetaPathFinder):
-    """Finds transformers' indexing module as usual and has :func:`kept_index` wrap its
-    ``define_import_structure`` once it has run (before ``transformers/__init__`` calls it)."""
+    """Finds transformers' indexing module as usual (and then leaves ``sys.meta_path``) and has
+    :func:`kept_index` wrap its ``define_import_structure`` once it has run (before
+    ``transformers/__init__`` calls it)."""
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
         if name != _INDEXER:
             return None
+        with _lock:
+            if self in sys.meta_path:  # once: nothing else to find
+                sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         loader = getattr(spec, "loader", None)
         if spec is None or not hasattr(loader, "exec_module"):

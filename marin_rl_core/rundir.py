@@ -68,7 +68,9 @@ def absolute(run_dir: str | os.PathLike[str]) -> Path:
 def cache_dir(part: str = "runs") -> Path:
     """marinrl's cache directory ``part``: ``$MARINRL_CACHE_DIR/PART`` (default
     ``~/.cache/marinrl/PART``): ``runs`` holds the local copies of runs on buckets,
-    ``model-counts`` the memory check's parameter counts (:mod:`marin_rl_core.job.memory`)."""
+    ``model-counts`` the memory check's parameter counts (:mod:`marin_rl_core.job.memory`),
+    ``transformers-index`` transformers' index of its model files
+    (:mod:`marin_rl_core.deferred_imports`)."""
     base = os.environ.get("MARINRL_CACHE_DIR") or os.path.join("~", ".cache", "marinrl")
     return Path(base).expanduser() / part
 
