@@ -1,0 +1,94 @@
+"""The local Ray's lean worker set-up starts a worker exactly as Ray's own set-up script does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marin_rl_core.job.local_ray import SETUP_WORKER
+
+WORKER = """
+import json, os, sys
+env = {k: os.environ.get(k) for k in ("MARINRL_T_A", "MARINRL_T_B", "MARINRL_T_C", "MARINRL_T_P")}
+json.dump({"script": os.path.basename(__file__), "argv": sys.argv[1:], "env": env,
+           "python": sys.executable}, open(os.environ["MARINRL_T_OUT"], "w"))
+"""
+
+
+def ray_setup_worker() -> str:
+    import ray
+
+    return str(Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py")
+
+
+def started_worker(setup: str, context: dict, tmp_path: Path, name: str, spelled: str) -> dict:
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    (tmp_path / "other_worker.py").write_text(WORKER)
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "MARINRL_T_OUT": str(out), "MARINRL_T_P": "from-the-raylet"}
+    raw = json.dumps(context)
+    if spelled == "joined":
+        options = [f"--serialized-runtime-env-context={raw}", "--language=PYTHON"]
+    else:
+        options = ["--language", "PYTHON", "--serialized-runtime-env-context", raw]
+    command = [
+        sys.executable,
+        setup,
+        *options,
+        str(worker),
+        "--node-ip-address=127.0.0.1",
+        "an argument with spaces",
+        "RAY_WORKER_DYNAMIC_OPTION_PLACEHOLDER",
+    ]
+    subprocess.run(command, env=env, check=True, timeout=60, cwd=tmp_path)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "context",
+    [
+        {},
+        {
+            "env_vars": {
+                "MARINRL_T_A": "a-${MARINRL_T_P}-$MARINRL_T_P",
+                "MARINRL_T_B": "${NOT_SET_ANYWHERE}b",
+            }
+        },
+        {"command_prefix": ["export", "MARINRL_T_C=from-the-prefix", "&&"]},
+        {"py_executable": sys.executable, "override_worker_entrypoint": "other_worker.py"},
+        {"py_executable": f"env MARINRL_T_C=from-a-command {sys.executable}"},
+    ],
+    ids=["empty", "env-vars", "command-prefix", "entrypoint", "python-as-a-command"],
+)
+@pytest.mark.parametrize("spelled", ["joined", "apart"])
+def test_a_worker_starts_with_what_rays_own_setup_script_gives_it(context, spelled, tmp_path):
+    ours = started_worker(SETUP_WORKER, context, tmp_path, "ours", spelled)
+    rays = started_worker(ray_setup_worker(), context, tmp_path, "rays", spelled)
+    assert ours == rays
+    assert ours["argv"][-2:] == ["an argument with spaces", "RAY_WORKER_DYNAMIC_OPTION_PLACEHOLDER"]
+
+
+def test_what_it_does_not_know_is_handed_to_rays_own_script(tmp_path):
+    """A field of a newer Ray's context: Ray's own script gets it (and says what it is)."""
+    with pytest.raises(subprocess.CalledProcessError):
+        started_worker(SETUP_WORKER, {"a_new_field": 1}, tmp_path, "ours", "joined")
+    assert not (tmp_path / "ours.json").exists()
+
+
+def test_the_local_ray_starts_its_workers_through_it():
+    from ray._private import ray_constants
+
+    from marin_rl_core.job.local_ray import lean_loopback_head
+
+    with lean_loopback_head():
+        assert (
+            os.path.join("/anywhere", "workers", ray_constants.SETUP_WORKER_FILENAME)
+            == SETUP_WORKER
+        )
+    assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"
