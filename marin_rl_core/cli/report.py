@@ -53,15 +53,15 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
     """Draw train reward and each lesson's eval reward against trainer step into a PNG
     (``RUN_DIR/reward_curve.png`` by default; for a run on a bucket, drawn in its local copy and
     uploaded). Returns where it is."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # matplotlib's object API, not pyplot: no global figure state (this runs in the driver and
+    # in tests' processes beside other threads), and 0.2 CPU-s less to import; same PNG.
+    from matplotlib.figure import Figure
 
     rows = read_metrics(run_dir)
     out = Path(out) if out else local_copy(run_dir) / PLOT_FILE
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(10, 4.5), dpi=100)
+    fig = Figure(figsize=(10, 4.5), dpi=100)
+    ax = fig.subplots()
     steps, values = _series(rows, "train", "reward")
     if steps:
         # Batches of different lessons have very different rewards: the raw line is faint, the
@@ -88,7 +88,6 @@ def plot_reward_curve(run_dir: str | Path, out: str | Path | None = None) -> Pat
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(out)
-    plt.close(fig)
     if is_remote(run_dir) and out == local_copy(run_dir) / PLOT_FILE:
         return put(out, run_dir, PLOT_FILE)
     return out

@@ -392,14 +392,12 @@ def evaluate_all_checkpoints(
 def plot_checkpoints(results: Sequence[dict[str, Any]], out: Path, title: str) -> Path:
     """pass@k (each k) and maj@k over all lessons against the checkpoint's step, their 95%
     intervals shaded, into the PNG ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # not pyplot: see report.plot_reward_curve
 
     steps = [r["step"] for r in results]
     names = list(dict.fromkeys(n for r in results for n in r["overall"] if "@" in n))
-    fig, ax = plt.subplots(figsize=(9, 4.5), dpi=100)
+    fig = Figure(figsize=(9, 4.5), dpi=100)
+    ax = fig.subplots()
     for name in names:
         points = [(s, r["overall"][name]) for s, r in zip(steps, results) if name in r["overall"]]
         xs = [s for s, _ in points]
@@ -417,7 +415,6 @@ def plot_checkpoints(results: Sequence[dict[str, Any]], out: Path, title: str) -
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out)
-    plt.close(fig)
     return out
 
 
