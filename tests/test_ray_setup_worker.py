@@ -99,3 +99,25 @@ def test_the_local_ray_starts_its_workers_through_it():
             == SETUP_WORKER
         )
     assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"
+
+
+def test_a_ray_whose_setup_script_takes_other_options_keeps_its_own(tmp_path, monkeypatch):
+    """A later Ray that gives its set-up script another option: its workers start through
+    Ray's own script, which knows what to do with it."""
+    import ray
+    from ray._private import ray_constants
+
+    from marin_rl_core.job.local_ray import lean_loopback_head
+
+    workers = tmp_path / "ray" / "_private" / "workers"
+    workers.mkdir(parents=True)
+    text = Path(ray_setup_worker()).read_text()
+    newer = text.replace(
+        'parser.add_argument("--language"',
+        'parser.add_argument("--a-new-option", type=str)\nparser.add_argument("--language"',
+    )
+    assert newer != text
+    (workers / "setup_worker.py").write_text(newer)
+    monkeypatch.setattr(ray, "__file__", str(tmp_path / "ray" / "__init__.py"))
+    with lean_loopback_head():
+        assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"

@@ -60,7 +60,7 @@ def lean_loopback_head() -> Iterator[None]:
       ``--ray-address``.
     * The raylet starts each worker through :mod:`marin_rl_core.job.ray_setup_worker`, which
       does what Ray's own set-up script does without importing Ray first (~0.5 CPU-s a worker,
-      four to six workers a job).
+      four to six workers a job), where Ray's script takes just the two options it reads.
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
       their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
       whole process group (Slurm's ``scancel``, Kubernetes) reaches the driver alone, which
@@ -71,7 +71,7 @@ def lean_loopback_head() -> Iterator[None]:
 
     # (owner, attribute, value while the job's ray.init runs); each is put back after.
     patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
-    if hasattr(ray_constants, "SETUP_WORKER_FILENAME"):
+    if hasattr(ray_constants, "SETUP_WORKER_FILENAME") and _rays_setup_worker_is_known():
         # Ray joins the name to its workers' directory: an absolute path replaces it.
         patches.append((ray_constants, "SETUP_WORKER_FILENAME", SETUP_WORKER))
     if hasattr(utils, "get_dashboard_dependency_error"):
@@ -92,6 +92,21 @@ def lean_loopback_head() -> Iterator[None]:
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)
+
+
+def _rays_setup_worker_is_known() -> bool:
+    """Whether Ray's own set-up script takes the two options ``ray_setup_worker`` reads and no
+    other (a Ray that adds one keeps its own script)."""
+    import re
+
+    import ray
+
+    script = Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py"
+    try:
+        options = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", script.read_text())
+    except OSError:
+        return False
+    return sorted(options) == ["--language", "--serialized-runtime-env-context"]
 
 
 def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -13,7 +13,8 @@ Python worker: ``env_vars`` expanded as Ray's ``update_envs`` does, then ``exec`
 ``command_prefix`` + ``py_executable`` + the worker's arguments (straight where the Python is a
 program's path and there is no prefix, through ``bash -c`` otherwise, as Ray does), with ``override_worker_entrypoint`` in place of the worker's script.
 Anything else (another language, a context with fields this script does not know) is handed to
-Ray's own script unchanged. :func:`marin_rl_core.job.local_ray.lean_loopback_head` installs it.
+Ray's own script unchanged. :func:`marin_rl_core.job.local_ray.lean_loopback_head` installs it
+where Ray's own script takes these two options and no other (a later Ray's keeps its own).
 """
 
 from __future__ import annotations
