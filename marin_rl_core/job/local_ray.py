@@ -71,7 +71,11 @@ def lean_loopback_head() -> Iterator[None]:
 
     # (owner, attribute, value while the job's ray.init runs); each is put back after.
     patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
-    if hasattr(ray_constants, "SETUP_WORKER_FILENAME") and _rays_setup_worker_is_known():
+    if (
+        sys.platform != "win32"  # Ray's script runs the worker as a child there, not by exec
+        and hasattr(ray_constants, "SETUP_WORKER_FILENAME")
+        and _rays_setup_worker_is_known()
+    ):
         # Ray joins the name to its workers' directory: an absolute path replaces it.
         patches.append((ray_constants, "SETUP_WORKER_FILENAME", SETUP_WORKER))
     if hasattr(utils, "get_dashboard_dependency_error"):
