@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from marin_rl_core.job.local_ray import SETUP_WORKER
+from marin_rl_core.job.ray_setup_worker import rays_own_script
 
 WORKER = """
 import json, os, sys
@@ -18,12 +19,6 @@ env = {k: os.environ.get(k) for k in ("MARINRL_T_A", "MARINRL_T_B", "MARINRL_T_C
 json.dump({"script": os.path.basename(__file__), "argv": sys.argv[1:], "env": env,
            "python": sys.executable}, open(os.environ["MARINRL_T_OUT"], "w"))
 """
-
-
-def ray_setup_worker() -> str:
-    import ray
-
-    return str(Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py")
 
 
 def started_worker(setup: str, context: dict, tmp_path: Path, name: str, spelled: str) -> dict:
@@ -68,7 +63,7 @@ def started_worker(setup: str, context: dict, tmp_path: Path, name: str, spelled
 )
 def test_a_worker_starts_with_what_rays_own_setup_script_gives_it(context, tmp_path):
     ours = started_worker(SETUP_WORKER, context, tmp_path, "ours", "joined")
-    rays = started_worker(ray_setup_worker(), context, tmp_path, "rays", "joined")
+    rays = started_worker(rays_own_script(), context, tmp_path, "rays", "joined")
     assert ours == rays
     assert ours["argv"][-2:] == ["an argument with spaces", "RAY_WORKER_DYNAMIC_OPTION_PLACEHOLDER"]
 
@@ -77,7 +72,7 @@ def test_its_options_are_read_in_either_spelling(tmp_path):
     """``--option value`` as well as ``--option=value``, as Ray's argparse reads them."""
     context = {"env_vars": {"MARINRL_T_A": "apart"}}
     ours = started_worker(SETUP_WORKER, context, tmp_path, "ours", "apart")
-    rays = started_worker(ray_setup_worker(), context, tmp_path, "rays", "apart")
+    rays = started_worker(rays_own_script(), context, tmp_path, "rays", "apart")
     assert ours == rays and ours["env"]["MARINRL_T_A"] == "apart"
 
 
@@ -104,20 +99,19 @@ def test_the_local_ray_starts_its_workers_through_it():
 def test_a_ray_whose_setup_script_takes_other_options_keeps_its_own(tmp_path, monkeypatch):
     """A later Ray that gives its set-up script another option: its workers start through
     Ray's own script, which knows what to do with it."""
-    import ray
     from ray._private import ray_constants
 
+    from marin_rl_core.job import ray_setup_worker
     from marin_rl_core.job.local_ray import lean_loopback_head
 
-    workers = tmp_path / "ray" / "_private" / "workers"
-    workers.mkdir(parents=True)
-    text = Path(ray_setup_worker()).read_text()
+    text = Path(rays_own_script()).read_text()
     newer = text.replace(
         'parser.add_argument("--language"',
         'parser.add_argument("--a-new-option", type=str)\nparser.add_argument("--language"',
     )
     assert newer != text
-    (workers / "setup_worker.py").write_text(newer)
-    monkeypatch.setattr(ray, "__file__", str(tmp_path / "ray" / "__init__.py"))
+    newer_script = tmp_path / "setup_worker.py"
+    newer_script.write_text(newer)
+    monkeypatch.setattr(ray_setup_worker, "rays_own_script", lambda: str(newer_script))
     with lean_loopback_head():
         assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"

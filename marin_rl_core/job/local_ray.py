@@ -103,13 +103,13 @@ def _rays_setup_worker_is_known() -> bool:
     other (a Ray that adds one keeps its own script)."""
     import re
 
-    import ray
+    from marin_rl_core.job.ray_setup_worker import rays_own_script
 
-    script = Path(ray.__file__).parent / "_private" / "workers" / "setup_worker.py"
     try:
-        options = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", script.read_text())
-    except OSError:
+        text = Path(rays_own_script()).read_text()
+    except (OSError, ImportError):
         return False
+    options = re.findall(r"add_argument\(\s*\"(--[\w-]+)\"", text)
     return sorted(options) == ["--language", "--serialized-runtime-env-context"]
 
 

@@ -11,8 +11,8 @@ queue, the ones Ray starts ahead), so this script saves a few CPU-seconds of eve
 It is run as a script (``marin_rl_core`` is not imported) and does exactly what Ray's does for a
 Python worker: ``env_vars`` expanded as Ray's ``update_envs`` does, then ``exec`` of
 ``command_prefix`` + ``py_executable`` + the worker's arguments (straight where the Python is a
-program's path and there is no prefix, through ``bash -c`` otherwise, as Ray does), with ``override_worker_entrypoint`` in place of the worker's script.
-Anything else (another language, a context with fields this script does not know) is handed to
+program's path and there is no prefix, through ``bash -c`` otherwise, as Ray does), with
+``override_worker_entrypoint`` in place of the worker's script. Anything else (another language, a context with fields this script does not know) is handed to
 Ray's own script unchanged. :func:`marin_rl_core.job.local_ray.lean_loopback_head` installs it
 where Ray's own script takes these two options and no other (a later Ray's keeps its own).
 """
@@ -66,14 +66,19 @@ def is_program(python: str) -> bool:
     )
 
 
-def ray_own_setup_worker(argv: list[str]) -> None:
-    """Hand over to Ray's own set-up script with the arguments the raylet gave."""
+def rays_own_script() -> str:
+    """The path of Ray's own set-up script (found without importing Ray)."""
     import importlib.util
 
     spec = importlib.util.find_spec("ray")
-    assert spec is not None and spec.origin is not None
-    script = os.path.join(os.path.dirname(spec.origin), "_private", "workers", "setup_worker.py")
-    os.execv(sys.executable, [sys.executable, script, *argv])
+    if spec is None or spec.origin is None:
+        raise ImportError("ray is not installed")
+    return os.path.join(os.path.dirname(spec.origin), "_private", "workers", "setup_worker.py")
+
+
+def ray_own_setup_worker(argv: list[str]) -> None:
+    """Hand over to Ray's own set-up script with the arguments the raylet gave."""
+    os.execv(sys.executable, [sys.executable, rays_own_script(), *argv])
 
 
 def main(argv: list[str]) -> None:
