@@ -1006,6 +1006,9 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     (raylet,) = [c for c in found["commands"] if "--dashboard_agent_command=" in c]
     agent = raylet.split("--dashboard_agent_command=")[1].split(" --runtime_env_agent_command")[0]
     assert "dashboard/agent.py" in agent and "--minimal" in agent.split(), agent
+    # Its workers start through marinrl's lean set-up script, not Ray's own.
+    worker = raylet.split("--python_worker_command=")[1].split(" --")[0]
+    assert "marin_rl_core/job/ray_setup_worker.py" in worker, worker
     for extra in (
         "ray/dashboard/dashboard.py",
         "ray/autoscaler/_private/monitor.py",
