@@ -555,6 +555,15 @@ def _copy_of(run: Path, where: Path) -> Path:
     return Path(shutil.copytree(run, where / run.name))
 
 
+def test_the_trainer_and_the_rollout_worker_are_forked_from_the_jobs_fork_server(two_step_run):
+    """A local job's workers are forked from the server that imported JAX, levanter and Ray
+    once for the job (marin_rl_core/job/worker_fork.py), and their logs say so."""
+    logs = two_step_run[0] / "logs"
+    for name in ("trainer.log", "rollout-0.log"):
+        first = (logs / name).read_text().splitlines()[0]
+        assert "forked from the job's fork server (process " in first, first
+
+
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_one_before(cli, tmp_path, two_step_run):
     run_dir = _copy_of(two_step_run[0], tmp_path)
     newest = run_dir / "checkpoints" / "step-000002"
@@ -1006,9 +1015,10 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     (raylet,) = [c for c in found["commands"] if "--dashboard_agent_command=" in c]
     agent = raylet.split("--dashboard_agent_command=")[1].split(" --runtime_env_agent_command")[0]
     assert "dashboard/agent.py" in agent and "--minimal" in agent.split(), agent
-    # Its workers start through marinrl's lean set-up script, not Ray's own.
+    # Its workers start through marinrl's start-up script (which forks them from the job's fork
+    # server), not Ray's own set-up script.
     worker = raylet.split("--python_worker_command=")[1].split(" --")[0]
-    assert "marin_rl_core/job/ray_setup_worker.py" in worker, worker
+    assert "marin_rl_core/job/ray_worker_start.py" in worker, worker
     for extra in (
         "ray/dashboard/dashboard.py",
         "ray/autoscaler/_private/monitor.py",

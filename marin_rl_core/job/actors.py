@@ -234,6 +234,13 @@ WARM_UP_WAIT_S = 120.0
 rollouts are (their own warm-up batch); then it warms up for short ones."""
 
 
+def _forked() -> str:
+    """What the process's first log line adds where it was forked from the local Ray's fork
+    server (:mod:`marin_rl_core.job.worker_fork`)."""
+    server = os.environ.get("MARINRL_FORKED_FROM")
+    return f", forked from the job's fork server (process {server})" if server else ""
+
+
 def _warm_up_tokens(hub: Any, cancelled: threading.Event) -> int | None:
     """The longest rollout of a rollout worker's warm-up batch, once one has set up (``None``:
     none said within :data:`WARM_UP_WAIT_S`, or ``cancelled`` was set: the first batch came)."""
@@ -281,9 +288,9 @@ class TrainerService(_SetUpError):
         import ray
 
         logger.info(
-            "trainer process %d on node %s (%s), niceness %d",
+            "trainer process %d on node %s (%s), niceness %d%s",
             os.getpid(), ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(),
-            os.nice(0),
+            os.nice(0), _forked(),
         )  # fmt: skip
         if group is not None:  # before anything touches the devices
             from marin_rl_core.learner import multihost
@@ -397,12 +404,13 @@ class RolloutService(_SetUpError):
         ray.get(hub.worker_started.remote(wc.index, os.getpid()), timeout=LOG_TIMEOUT_S)
 
         logger.info(
-            "rollout worker %d process %d on node %s (%s), niceness %d",
+            "rollout worker %d process %d on node %s (%s), niceness %d%s",
             wc.index,
             os.getpid(),
             ray.get_runtime_context().get_node_id(),
             ray.util.get_node_ip_address(),
             os.nice(0),
+            _forked(),
         )
         from marin_rl_core.job import compile_cache
         from marin_rl_core.rollout.worker import RolloutWorker

@@ -248,6 +248,11 @@ class RLJob:
         )
         # address="local": a new instance even where `ray start` left a cluster address behind
         # (plain ray.init() would try to join that one).
+        if sys.platform != "win32":  # (fork; the raylet's workers start through it there)
+            from marin_rl_core.job.worker_fork import WorkerForkServer
+
+            self._fork_server = WorkerForkServer()
+            self._fork_server.start()
         with lean_loopback_head():
             ray.init(
                 address="local",
@@ -267,6 +272,9 @@ class RLJob:
         import ray
 
         ray.shutdown()
+        if getattr(self, "_fork_server", None) is not None:
+            self._fork_server.stop()
+            self._fork_server = None
         if self._auth_mode is not _UNSET:
             if self._auth_mode is None:
                 os.environ.pop("RAY_AUTH_MODE", None)

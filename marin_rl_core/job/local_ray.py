@@ -13,7 +13,7 @@ from typing import Any
 
 _UNSET: Any = object()
 
-SETUP_WORKER = str(Path(__file__).with_name("ray_setup_worker.py"))
+SETUP_WORKER = str(Path(__file__).with_name("ray_worker_start.py"))
 """The script the local Ray's raylet starts its workers with (see ``lean_loopback_head``)."""
 
 
@@ -58,9 +58,12 @@ def lean_loopback_head() -> Iterator[None]:
       checking for those packages imported them into the driver (0.2 s). Want the
       dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
       ``--ray-address``.
-    * The raylet starts each worker through :mod:`marin_rl_core.job.ray_setup_worker`, which
-      does what Ray's own set-up script does without importing Ray first (~0.5 CPU-s a worker,
-      four to six workers a job), where Ray's script takes just the two options it reads.
+    * The raylet starts each worker through :mod:`marin_rl_core.job.ray_worker_start`, which
+      has the job's fork server (:mod:`marin_rl_core.job.worker_fork`, its directory in the
+      environment the driver gives the raylet) fork the worker with JAX, levanter and Ray
+      imported, or does what Ray's own set-up script does, where Ray's script takes just the
+      two options it reads. (The raylet leaves a script whose name ends in ``setup_worker.py``
+      out of the command of a worker without a runtime env, hence the name.)
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
       their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
       whole process group (Slurm's ``scancel``, Kubernetes) reaches the driver alone, which
@@ -99,11 +102,11 @@ def lean_loopback_head() -> Iterator[None]:
 
 
 def _rays_setup_worker_is_known() -> bool:
-    """Whether Ray's own set-up script takes the two options ``ray_setup_worker`` reads and no
+    """Whether Ray's own set-up script takes the two options ``ray_worker_start`` reads and no
     other (a Ray that adds one keeps its own script)."""
     import re
 
-    from marin_rl_core.job.ray_setup_worker import rays_own_script
+    from marin_rl_core.job.ray_worker_start import rays_own_script
 
     try:
         text = Path(rays_own_script()).read_text()

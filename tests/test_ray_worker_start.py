@@ -1,4 +1,5 @@
-"""The local Ray's lean worker set-up starts a worker exactly as Ray's own set-up script does."""
+"""Where the local Ray's start-up script does not fork a worker (no fork server here), it starts it
+exactly as Ray's own set-up script does."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from marin_rl_core.job.local_ray import SETUP_WORKER
-from marin_rl_core.job.ray_setup_worker import rays_own_script
+from marin_rl_core.job.ray_worker_start import rays_own_script
 
 WORKER = """
 import json, os, sys
@@ -101,7 +102,7 @@ def test_a_ray_whose_setup_script_takes_other_options_keeps_its_own(tmp_path, mo
     Ray's own script, which knows what to do with it."""
     from ray._private import ray_constants
 
-    from marin_rl_core.job import ray_setup_worker
+    from marin_rl_core.job import ray_worker_start
     from marin_rl_core.job.local_ray import lean_loopback_head
 
     text = Path(rays_own_script()).read_text()
@@ -112,6 +113,6 @@ def test_a_ray_whose_setup_script_takes_other_options_keeps_its_own(tmp_path, mo
     assert newer != text
     newer_script = tmp_path / "setup_worker.py"
     newer_script.write_text(newer)
-    monkeypatch.setattr(ray_setup_worker, "rays_own_script", lambda: str(newer_script))
+    monkeypatch.setattr(ray_worker_start, "rays_own_script", lambda: str(newer_script))
     with lean_loopback_head():
         assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"

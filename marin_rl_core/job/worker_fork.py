@@ -1,0 +1,395 @@
+"""A fork server for the Ray workers of a job's own local Ray: the modules every job process
+imports (JAX, levanter, Ray, marinrl's trainer and rollout worker) are imported once, in this
+server, and each worker the raylet starts is forked from it instead of importing them again.
+
+On a 2-core machine a trainer or rollout worker spends ~2.5 of its ~4-7 CPU-s importing, and
+the job's hub and rollout queue ~1 s each importing Ray and marinrl's config: a job imports the
+same modules four to six times (docs/development.md#tests).
+
+How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the raylet runs):
+
+1. The set-up script connects to this server's Unix socket (``MARINRL_WORKER_FORK``, in a
+   directory only this user can enter) and sends the worker's command line, environment and
+   directory, with its standard input, output and error (``SCM_RIGHTS``).
+2. The server forks; the child takes those, then runs Ray's ``default_worker.py`` as
+   ``__main__`` with the modules already imported. The server answers the child's pid.
+3. The set-up script stays the raylet's child for the worker's life, as the process the
+   raylet started: it passes on SIGTERM, SIGINT and SIGHUP to the worker and exits with the
+   worker's exit status, which the server reports when it reaps the child. Should the set-up
+   script die (SIGKILL from the raylet), the server kills its worker.
+
+Only where forking gives the worker what ``exec`` would give it: the same Python, no
+command prefix or other entry point, and an environment that differs from the server's only
+in what the raylet sets for its workers (:func:`differences`). Anything else, or a server not
+there (not started yet, dead), and the set-up script ``exec``s the worker as before. The server
+exits when the process that started it (the job's driver) does, and is stopped with the local
+Ray (:class:`WorkerForkServer`).
+
+The server imports, and is single-threaded when it forks (no lock can be held by a thread the
+child does not have); what it imports starts no threads (checked: it refuses to serve if more
+than one thread runs). JAX's backends are not initialised in it: each worker makes its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from marin_rl_core.job.ray_worker_start import alive
+
+FORKED_FROM = "MARINRL_FORKED_FROM"
+"""Set in a forked worker's environment: the server's pid (the worker's logs say so)."""
+
+ENV = "MARINRL_WORKER_FORK"
+"""The server's socket path, in the environment of the raylet (and so of the set-up script)."""
+
+PRELOAD = (
+    "ray",
+    "ray.actor",
+    "ray._private.worker",
+    "marin_rl_core.job.actors",
+    "marin_rl_core.learner.trainer",
+    "marin_rl_core.rollout.worker",
+    "marin_rl_core.rollout.manager",
+)
+"""What the server imports: what every worker of a job imports before it does anything."""
+
+_HEADER = struct.Struct("!I")
+_MAX_REQUEST = 16 << 20
+
+
+LATE_VARIABLES = frozenset({ENV, "SPT_NOENV"})
+"""Variables read after the imports, by the worker itself: set by Ray (``SPT_NOENV`` at
+``ray.init``, for setproctitle's first call) or by marinrl; like the ``RAY_`` ones the raylet
+sets for its workers, they may differ."""
+
+
+def differences(
+    request_env: dict[str, str], own_env: dict[str, str], imported_env: dict[str, str]
+) -> list[str]:
+    """The variables by which a worker with ``request_env`` could import other modules, or the
+    same modules otherwise, than the server did (JAX, transformers and marinrl read theirs at
+    import; ``own_env`` is the server's environment before, ``imported_env`` what its imports
+    set): every one but the ``RAY_`` ones and :data:`LATE_VARIABLES`, and where the imports set
+    one that the worker does not have, the worker's would set it too."""
+    keys = (set(request_env) | set(own_env)) - LATE_VARIABLES
+    return sorted(
+        key
+        for key in keys
+        if not key.startswith("RAY_")
+        and request_env.get(key) != own_env.get(key)
+        and not (key in imported_env and request_env.get(key) in (None, imported_env[key]))
+    )
+
+
+def _send_message(conn: socket.socket, message: dict[str, Any]) -> None:
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+# --- the server ---------------------------------------------------------------------------------
+
+
+def serve(directory: str, raylet: int) -> None:
+    """Import :data:`PRELOAD`, listen at ``directory``'s socket and fork a worker for each
+    request until the process ``raylet`` exits or SIGTERM comes."""
+    path = os.path.join(directory, "socket")
+    own_env = dict(os.environ)  # what a worker's environment is compared with: before imports
+    from marin_rl_core import deferred_imports
+
+    deferred_imports.defer()  # as every job process does, before levanter is imported
+    import importlib
+
+    preload = os.environ.get("MARINRL_FORK_PRELOAD")  # (tests: a server that imports little)
+    with _ray_random_untouched():
+        for name in preload.split(",") if preload else PRELOAD:
+            importlib.import_module(name)
+    if not _forks_draw_their_own_ids():
+        raise SystemExit("forked processes would draw the same Ray ids: not forking")
+    if threading.active_count() != 1:
+        raise SystemExit(f"{threading.active_count()} threads after the imports: not forking")
+    # What the imports set (TF_CPP_MIN_LOG_LEVEL, TRANSFORMERS_VERBOSITY, ...): a worker that
+    # imported them itself would have them too.
+    imported_env = {k: v for k, v in os.environ.items() if own_env.get(k) != v}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".tmp")
+    os.replace(path + ".tmp", path)  # the socket appears once the server is ready
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    os.set_blocking(wake_r, False)
+    signal.set_wakeup_fd(wake_w)
+    stop = False
+
+    def on_term(signum: int, frame: Any) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(wake_r, selectors.EVENT_READ, "wake")
+    children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
+    try:
+        while not stop and alive(raylet):
+            for key, _ in selector.select(timeout=1.0):
+                if key.data == "accept":
+                    conn, _ = listener.accept()
+                    pid = _start(
+                        conn, own_env, imported_env, (listener, wake_r, wake_w, selector, children)
+                    )
+                    if pid:
+                        children[pid] = conn
+                        selector.register(conn, selectors.EVENT_READ, pid)
+                    else:
+                        conn.close()
+                elif key.data == "wake":
+                    try:
+                        os.read(wake_r, 4096)
+                    except BlockingIOError:
+                        pass
+                else:  # a set-up script's connection: it died (nothing else is sent)
+                    pid = key.data
+                    selector.unregister(key.fileobj)
+                    if pid in children:
+                        _kill(pid)
+            _reap(children, selector)
+    finally:
+        for pid in children:
+            _kill(pid)
+        if stop:  # the driver's stop: it removes the directory
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        else:  # the raylet is gone (its driver too, maybe): nobody else will
+            import shutil
+
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start(
+    conn: socket.socket,
+    own_env: dict[str, str],
+    imported_env: dict[str, str],
+    close_in_child: tuple,
+) -> int | None:
+    """Read one request and fork its worker; the worker's pid, or ``None`` (refused)."""
+    conn.settimeout(10.0)
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
+        while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack_from(data)[0]:
+            more = conn.recv(_MAX_REQUEST)
+            if not more:
+                raise OSError("short request")
+            data += more
+        request = json.loads(data[_HEADER.size :])
+        argv, env, cwd = request["argv"], request["env"], request["cwd"]
+        if (
+            len(fds) != 3
+            or argv[0] != sys.executable
+            or len(argv) < 2
+            or differences(env, own_env, imported_env)
+        ):
+            differ = differences(env, own_env, imported_env)
+            print(f"not forked: the worker's environment differs in {differ}", file=sys.stderr)
+            _send_message(conn, {"pid": 0})
+            for fd in fds:
+                os.close(fd)
+            return None
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the worker
+        _become_worker(argv, {**env, **imported_env}, cwd, fds, conn, close_in_child)
+    for fd in fds:
+        os.close(fd)
+    try:
+        _send_message(conn, {"pid": pid})
+    except OSError:
+        _kill(pid)
+        return None
+    conn.settimeout(None)
+    return pid
+
+
+def _become_worker(argv, env, cwd, fds, conn, close_in_child) -> None:  # noqa: ANN001
+    code = 1
+    try:
+        listener, wake_r, wake_w, selector, children = close_in_child
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)
+        selector.close()
+        listener.close()
+        for other in children.values():
+            other.close()
+        conn.close()
+        os.close(wake_r)
+        os.close(wake_w)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.setpgid(0, 0)  # a group of its own, as the raylet gives each worker
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ[FORKED_FROM] = str(os.getppid())
+        sys.argv = list(argv[1:])
+        import runpy
+
+        runpy.run_path(argv[1], run_name="__main__")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the worker's own failure, as Python would print it
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+@contextlib.contextmanager
+def _ray_random_untouched() -> Iterator[None]:
+    """Ray's C++ random ids come from one generator per process, seeded at its first use: a
+    process forked after that draws the same ids as every other one forked from it (two
+    workers' object ids collided). What the imports define with ``@ray.remote`` (a class draws
+    a random ``ActorClassID`` when it is defined: levanter defines some) takes its id from
+    ``os.urandom`` here, so that the generator is first used, and seeded, in each worker."""
+    import ray.actor
+
+    real = ray.actor.ActorClassID
+
+    class UrandomActorClassID:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def from_random(self) -> Any:
+            return real(os.urandom(real.size()))
+
+    ray.actor.ActorClassID = UrandomActorClassID()
+    try:
+        yield
+    finally:
+        ray.actor.ActorClassID = real
+
+
+def _forks_draw_their_own_ids() -> bool:
+    """Whether two processes forked from this one draw different random Ray ids (the check
+    that nothing imported seeded Ray's generator here)."""
+    from ray._raylet import ObjectID
+
+    drawn = []
+    for _ in range(2):
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.write(write, ObjectID.from_random().binary())
+            finally:
+                os._exit(0)
+        os.close(write)
+        os.waitpid(pid, 0)
+        drawn.append(os.read(read, 64))
+        os.close(read)
+    return drawn[0] != drawn[1]
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL to the worker ``pid`` and its process group (what it started), as the raylet
+    cleans up after each of its workers."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is None:
+            continue
+        try:  # what the worker started and left behind, as the raylet's clean-up does
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        try:
+            _send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
+        except OSError:
+            pass
+        conn.close()
+
+
+class WorkerForkServer:
+    """The fork server's directory for one local Ray: :meth:`start` before ``ray.init`` (the
+    raylet's environment names it, :data:`ENV`; the first worker starts the server in it, with
+    the environment the raylet gives its workers), :meth:`stop` after ``ray.shutdown``."""
+
+    def __init__(self) -> None:
+        self.directory: str | None = None
+
+    def start(self) -> None:
+        import tempfile
+
+        self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
+        os.environ[ENV] = self.directory
+
+    def stop(self) -> None:
+        import shutil
+        import time
+
+        os.environ.pop(ENV, None)
+        if not self.directory:
+            return
+        try:
+            pid = int(open(os.path.join(self.directory, "pid")).read())  # noqa: SIM115
+        except (OSError, ValueError):
+            pid = 0
+        try:  # why a worker was not forked, or the server did not serve: in the driver's log
+            said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
+        except OSError:
+            said = ""
+        if said:
+            import logging
+
+            logging.getLogger(__name__).info("the fork server of the local Ray: %s", said[-2000:])
+        if pid > 0 and alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _kill(pid)
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1], int(sys.argv[2]))

@@ -1,0 +1,195 @@
+"""The local Ray's fork server: a worker forked from it gets what an ``exec``'d worker gets
+(arguments, environment, directory, standard streams, exit status), signals reach it, and
+nothing it started outlives it; where the server cannot serve a worker (another environment,
+no server), the worker is ``exec``'d as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from marin_rl_core.job.local_ray import SETUP_WORKER
+from marin_rl_core.job.worker_fork import ENV, WorkerForkServer
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork and Unix sockets")
+
+WORKER = """
+import json, os, sys, time
+out = os.environ["MARINRL_T_OUT"]
+print("to stdout", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+json.dump({"argv": sys.argv, "cwd": os.getcwd(), "var": os.environ.get("MARINRL_T_VAR"),
+           "forked": os.environ.get("MARINRL_FORKED_FROM"), "pid": os.getpid(),
+           "json_loaded": "json" in sys.modules}, open(out + ".tmp", "w"))
+os.replace(out + ".tmp", out)
+mode = sys.argv[1]
+if mode == "exit":
+    sys.exit(7)
+if mode == "child":  # starts a process of its own, then waits
+    import subprocess
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open(out + ".child", "w").write(str(child.pid))
+if mode in ("child", "wait"):
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(15 + 100))
+    time.sleep(120)
+"""
+
+
+@pytest.fixture
+def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A fork server directory in this process's environment, as the driver makes one before
+    ``ray.init`` (the test process stands in for the raylet); the server imports only ``json``
+    (``MARINRL_FORK_PRELOAD``), not the job's modules."""
+    monkeypatch.setenv("MARINRL_FORK_PRELOAD", "json")
+    monkeypatch.setenv("RAY_RAYLET_PID", str(os.getpid()))
+    forks = WorkerForkServer()
+    forks.start()
+    yield forks
+    forks.stop()
+    assert not os.path.exists(forks.directory or "/nonexistent")
+
+
+def start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """The worker script through the set-up script, as the raylet starts it."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    return subprocess.Popen(
+        [sys.executable, SETUP_WORKER, "--language=PYTHON", str(script), mode],
+        cwd=tmp_path,
+        env={**os.environ, "MARINRL_T_OUT": str(tmp_path / "out.json"), **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def reported(tmp_path: Path, timeout: float = 60.0) -> dict:
+    out = tmp_path / "out.json"
+    deadline = time.monotonic() + timeout
+    while not out.exists():
+        assert time.monotonic() < deadline, "the worker did not start"
+        time.sleep(0.05)
+    return json.loads(out.read_text())
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is not alive either.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_forked_worker_gets_its_arguments_directory_streams_and_exit_status(server, tmp_path):
+    proc = start(tmp_path, "exit", {"MARINRL_T_VAR": "x"})
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 7
+    assert out == "to stdout\n" and err == "to stderr\n"
+    got = reported(tmp_path)
+    assert got["argv"] == [str(tmp_path / "worker.py"), "exit"]
+    assert got["cwd"] == str(tmp_path) and got["var"] == "x"
+    assert got["forked"] and got["json_loaded"] and got["pid"] != proc.pid
+
+
+def test_sigterm_to_the_started_process_reaches_the_worker(server, tmp_path):
+    proc = start(tmp_path, "wait")
+    reported(tmp_path)
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=30)
+    assert proc.returncode == 115, "the worker's own SIGTERM handler ran and its status came back"
+
+
+def test_a_worker_killed_ends_its_started_process_as_killed(server, tmp_path):
+    proc = start(tmp_path, "wait")
+    worker = reported(tmp_path)["pid"]
+    os.kill(worker, signal.SIGKILL)
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+
+
+def test_a_started_process_killed_takes_its_worker_and_what_the_worker_started(server, tmp_path):
+    """The raylet kills the process it started (and its process group): the forked worker
+    and the processes it started go too, as they would with an exec'd worker."""
+    proc = start(tmp_path, "child")
+    worker = reported(tmp_path)["pid"]
+    child_file = tmp_path / "out.json.child"
+    deadline = time.monotonic() + 30
+    while not child_file.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(child_file.read_text())
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while (alive(worker) or alive(child)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(worker) and not alive(child)
+
+
+def test_a_worker_in_another_environment_is_execd_as_without_a_server(server, tmp_path):
+    """A variable the server's imports could read differs from the environment of the first
+    worker (which started the server in it), as a runtime env's ``env_vars`` would: not
+    forked; the worker runs all the same."""
+    first = start(tmp_path, "exit")
+    first.communicate(timeout=60)
+    assert reported(tmp_path)["forked"]
+    (tmp_path / "out.json").unlink()
+    proc = start(tmp_path, "exit", {"MARINRL_T_VAR": "y", "JAX_PLATFORMS": "cpu,other"})
+    proc.communicate(timeout=60)
+    assert proc.returncode == 7
+    got = reported(tmp_path)
+    assert got["forked"] is None and got["pid"] == proc.pid and got["var"] == "y"
+    log = (Path(server.directory) / "server.log").read_text()
+    assert (
+        "not forked: the worker's environment differs in ['JAX_PLATFORMS', 'MARINRL_T_VAR']" in log
+    )
+
+
+def test_without_a_server_the_worker_is_execd(tmp_path, monkeypatch):
+    """A directory with a dead server in it (its pid recorded, no socket): exec'd at once."""
+    directory = tmp_path / "forks"
+    directory.mkdir()
+    (directory / "starting").write_text("")
+    (directory / "pid").write_text(str(2**22 + 12345))  # no such process
+    monkeypatch.setenv(ENV, str(directory))
+    started = time.monotonic()
+    proc = start(tmp_path, "exit")
+    proc.communicate(timeout=60)
+    assert proc.returncode == 7 and reported(tmp_path)["forked"] is None
+    assert time.monotonic() - started < 20, "it did not wait for a server that is gone"
+
+
+def test_the_server_goes_with_its_raylet(tmp_path, monkeypatch):
+    """The raylet gone (here a process standing in for it), the server exits and removes its
+    directory."""
+    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setenv("MARINRL_FORK_PRELOAD", "json")
+    monkeypatch.setenv("RAY_RAYLET_PID", str(raylet.pid))
+    forks = WorkerForkServer()
+    forks.start()
+    directory = Path(forks.directory)
+    try:
+        proc = start(tmp_path, "exit")
+        proc.communicate(timeout=60)
+        assert proc.returncode == 7 and reported(tmp_path)["forked"]
+        server = int((directory / "pid").read_text())
+        raylet.kill()
+        raylet.wait()
+        deadline = time.monotonic() + 15
+        while (alive(server) or directory.exists()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(server) and not directory.exists()
+    finally:
+        forks.stop()
