@@ -8,8 +8,9 @@ same modules four to six times (docs/development.md#tests).
 
 How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the raylet runs):
 
-1. The set-up script connects to this server's Unix socket (``MARINRL_WORKER_FORK``, in a
-   directory only this user can enter) and sends the worker's command line, environment and
+1. The set-up script connects to this server's Unix socket (in ``MARINRL_WORKER_FORK``, a
+   directory only this user can enter, which the driver made; the first worker starts the
+   server there, in the workers' environment) and sends the worker's command line, environment and
    directory, with its standard input, output and error (``SCM_RIGHTS``).
 2. The server forks; the child takes those, then runs Ray's ``default_worker.py`` as
    ``__main__`` with the modules already imported. The server answers the child's pid.
@@ -22,12 +23,14 @@ Only where forking gives the worker what ``exec`` would give it: the same Python
 command prefix or other entry point, and an environment that differs from the server's only
 in what the raylet sets for its workers (:func:`differences`). Anything else, or a server not
 there (not started yet, dead), and the set-up script ``exec``s the worker as before. The server
-exits when the process that started it (the job's driver) does, and is stopped with the local
-Ray (:class:`WorkerForkServer`).
+exits when the raylet does (and removes its directory), or when the driver stops the local Ray
+(:class:`WorkerForkServer`).
 
-The server imports, and is single-threaded when it forks (no lock can be held by a thread the
-child does not have); what it imports starts no threads (checked: it refuses to serve if more
-than one thread runs). JAX's backends are not initialised in it: each worker makes its own.
+The server imports, and has one Python thread when it forks (no Python lock can be held by a
+thread the child does not have; checked: it refuses to serve otherwise). JAX's backends are not
+initialised in it: each worker makes its own. Nor is Ray's C++ id generator seeded in it
+(:func:`_ray_random_untouched`, checked by :func:`_forks_draw_their_own_ids`): each worker seeds
+its own.
 """
 
 from __future__ import annotations
@@ -194,14 +197,18 @@ def _start(
             data += more
         request = json.loads(data[_HEADER.size :])
         argv, env, cwd = request["argv"], request["env"], request["cwd"]
-        if (
-            len(fds) != 3
-            or argv[0] != sys.executable
-            or len(argv) < 2
-            or differences(env, own_env, imported_env)
-        ):
-            differ = differences(env, own_env, imported_env)
-            print(f"not forked: the worker's environment differs in {differ}", file=sys.stderr)
+        differ = differences(env, own_env, imported_env)
+        refused = (
+            "not forked: the request did not pass the three standard streams"
+            if len(fds) != 3
+            else f"not forked: another Python ({argv[0]})"
+            if argv[0] != sys.executable or len(argv) < 2
+            else f"not forked: the worker's environment differs in {differ}"
+            if differ
+            else ""
+        )
+        if refused:
+            print(refused, file=sys.stderr)
             _send_message(conn, {"pid": 0})
             for fd in fds:
                 os.close(fd)
