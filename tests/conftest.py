@@ -7,6 +7,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -179,21 +180,18 @@ def cli() -> Callable[..., object]:
 
 
 @pytest.fixture(scope="session")
-def start_local_ray() -> Callable[[int], None]:
-    """``start_local_ray(num_cpus)``: ``ray.init`` of a new local instance for a test file's own
-    Ray (its fixture shuts it down), the workers at this process's niceness as a local
-    ``marinrl run`` starts them (Ray's default is 15)."""
+def start_local_ray() -> Callable[[int], Any]:
+    """``start_local_ray(num_cpus)``: a test file's own local Ray, started as a local
+    ``marinrl run`` starts its own (``LocalRay``: lean, on loopback, the workers forked from a
+    fork server at this process's niceness); returns it, for the file's fixture to ``stop()``
+    (which gives ``RAY_AUTH_MODE`` back too)."""
 
-    def start(num_cpus: int) -> None:
-        import ray
+    def start(num_cpus: int) -> Any:
+        from marin_rl_core.job.local_ray import LocalRay
 
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=False,
-            _system_config={"worker_niceness": 0},
-        )
+        local = LocalRay()
+        local.start(num_cpus)
+        return local
 
     return start
 

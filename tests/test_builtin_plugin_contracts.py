@@ -13,18 +13,12 @@ ENTRIES = REGISTRY.entries()
 
 @pytest.fixture
 def local_ray(start_local_ray):
-    """A local Ray for the ``memory`` storage's queue actor, shut down after, with
-    ``RAY_AUTH_MODE`` (which ``ray.init`` sets in this process) given back."""
-    import os
-
-    ray = pytest.importorskip("ray")
-    auth = os.environ.get("RAY_AUTH_MODE")
-    start_local_ray(1)
+    """A local Ray for the ``memory`` storage's queue actor, stopped after (``RAY_AUTH_MODE``,
+    which ``ray.init`` sets in this process, given back)."""
+    pytest.importorskip("ray")
+    local = start_local_ray(1)
     yield
-    ray.shutdown()
-    os.environ.pop("RAY_AUTH_MODE", None)
-    if auth is not None:
-        os.environ["RAY_AUTH_MODE"] = auth
+    local.stop()
 
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=lambda e: f"{e.kind}:{e.name}")

@@ -41,11 +41,9 @@ def small_job(env: str, run_dir: Path, run_id: str, *overrides: str) -> RLJob:
 
 @pytest.fixture(scope="module")
 def ray_session(start_local_ray):
-    import ray
-
-    start_local_ray(2)
+    local = start_local_ray(2)
     yield
-    ray.shutdown()
+    local.stop()
 
 
 @pytest.fixture(scope="module")

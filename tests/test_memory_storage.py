@@ -25,9 +25,9 @@ def ray_cluster(start_local_ray):
 
     # Ray workers cannot import this test module by name: ship its functions by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    start_local_ray(2)
+    local = start_local_ray(2)
     yield
-    ray.shutdown()
+    local.stop()
 
 
 @pytest.fixture

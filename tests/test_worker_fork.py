@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from marin_rl_core.job.local_ray import SETUP_WORKER
-from marin_rl_core.job.worker_fork import ENV, WorkerForkServer
+from marin_rl_core.job.local_ray import SETUP_WORKER, WorkerForkServer
+from marin_rl_core.job.worker_fork import ENV
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="fork and Unix sockets")
 
@@ -43,17 +43,27 @@ if mode in ("child", "wait"):
 """
 
 
+def workers_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload: str) -> None:
+    """This process's environment as the workers' (the driver starts the server in the
+    environment it starts Ray in); the server imports ``preload`` (``MARINRL_FORK_PRELOAD``),
+    not the job's modules."""
+    monkeypatch.setenv("MARINRL_FORK_PRELOAD", preload)
+    monkeypatch.setenv("MARINRL_T_OUT", str(tmp_path / "out.json"))
+    monkeypatch.setenv("MARINRL_T_VAR", "x")
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # (a ray.init in this process sets it)
+
+
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A fork server directory in this process's environment, as the driver makes one before
-    ``ray.init`` (the test process stands in for the raylet); the server imports only ``json``
-    (``MARINRL_FORK_PRELOAD``), not the job's modules."""
-    monkeypatch.setenv("MARINRL_FORK_PRELOAD", "json")
-    monkeypatch.setenv("RAY_RAYLET_PID", str(os.getpid()))
+    """A fork server started as the driver starts one before ``ray.init``; this process
+    stands in for the driver, the set-up scripts it starts for the raylet's."""
+    workers_environment(tmp_path, monkeypatch, "json")
     forks = WorkerForkServer()
     forks.start()
     yield forks
+    started = time.monotonic()
     forks.stop()
+    assert time.monotonic() - started < 3, "the server took long to go"
     assert not os.path.exists(forks.directory or "/nonexistent")
 
 
@@ -64,7 +74,7 @@ def start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> subpr
     return subprocess.Popen(
         [sys.executable, SETUP_WORKER, "--language=PYTHON", str(script), mode],
         cwd=tmp_path,
-        env={**os.environ, "MARINRL_T_OUT": str(tmp_path / "out.json"), **(env or {})},
+        env={**os.environ, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -93,7 +103,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_forked_worker_gets_its_arguments_directory_streams_and_exit_status(server, tmp_path):
-    proc = start(tmp_path, "exit", {"MARINRL_T_VAR": "x"})
+    proc = start(tmp_path, "exit")
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 7
     assert out == "to stdout\n" and err == "to stderr\n"
@@ -139,9 +149,9 @@ def test_a_started_process_killed_takes_its_worker_and_what_the_worker_started(s
 
 
 def test_a_worker_in_another_environment_is_execd_as_without_a_server(server, tmp_path):
-    """A variable the server's imports could read differs from the environment of the first
-    worker (which started the server in it), as a runtime env's ``env_vars`` would: not
-    forked; the worker runs all the same."""
+    """A variable the server's imports could read differs from the environment the server
+    started in, as a runtime env's ``env_vars`` would: not forked; the worker runs all the
+    same."""
     first = start(tmp_path, "exit")
     first.communicate(timeout=60)
     assert reported(tmp_path)["forked"]
@@ -157,12 +167,34 @@ def test_a_worker_in_another_environment_is_execd_as_without_a_server(server, tm
     )
 
 
+def test_a_forked_worker_dying_at_start_stops_the_forking(server, tmp_path):
+    """A worker that exits with an error as soon as it is forked (as a Ray worker would that
+    cannot start forked) stops the forking: the raylet would start it again without end; the
+    workers after it are exec'd, and the log says why."""
+    first = start(tmp_path, "exit")  # exits with status 7 at once
+    first.communicate(timeout=60)
+    assert first.returncode == 7 and reported(tmp_path)["forked"]
+    log = Path(server.directory) / "server.log"
+    deadline = time.monotonic() + 10
+    while "not forking any more" not in log.read_text():
+        assert time.monotonic() < deadline, "the server did not stop forking"
+        time.sleep(0.05)
+    (tmp_path / "out.json").unlink()
+    proc = start(tmp_path, "exit")
+    proc.communicate(timeout=60)
+    got = reported(tmp_path)
+    assert proc.returncode == 7 and got["forked"] is None and got["pid"] == proc.pid
+    said = log.read_text()
+    assert "a forked worker exited with status 7" in said
+    assert "not forked: forking stopped" in said
+
+
 def test_without_a_server_the_worker_is_execd(tmp_path, monkeypatch):
     """A directory with a dead server in it (its pid recorded, no socket): exec'd at once."""
     directory = tmp_path / "forks"
     directory.mkdir()
-    (directory / "starting").write_text("")
     (directory / "pid").write_text(str(2**22 + 12345))  # no such process
+    workers_environment(tmp_path, monkeypatch, "json")
     monkeypatch.setenv(ENV, str(directory))
     started = time.monotonic()
     proc = start(tmp_path, "exit")
@@ -171,25 +203,61 @@ def test_without_a_server_the_worker_is_execd(tmp_path, monkeypatch):
     assert time.monotonic() - started < 20, "it did not wait for a server that is gone"
 
 
-def test_the_server_goes_with_its_raylet(tmp_path, monkeypatch):
-    """The raylet gone (here a process standing in for it), the server exits and removes its
-    directory."""
-    raylet = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    monkeypatch.setenv("MARINRL_FORK_PRELOAD", "json")
-    monkeypatch.setenv("RAY_RAYLET_PID", str(raylet.pid))
+def test_the_server_goes_with_its_driver(tmp_path, monkeypatch):
+    """The driver gone (here a process standing in for it, killed), the server exits and
+    removes its directory."""
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    workers_environment(tmp_path, monkeypatch, "json")
     forks = WorkerForkServer()
-    forks.start()
+    forks.start(owner=driver.pid)
     directory = Path(forks.directory)
     try:
         proc = start(tmp_path, "exit")
         proc.communicate(timeout=60)
         assert proc.returncode == 7 and reported(tmp_path)["forked"]
         server = int((directory / "pid").read_text())
-        raylet.kill()
-        raylet.wait()
+        driver.kill()
+        driver.wait()
         deadline = time.monotonic() + 15
         while (alive(server) or directory.exists()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(server) and not directory.exists()
     finally:
         forks.stop()
+
+
+RAY_WORKER = """
+import json, os
+import ray._raylet
+out = os.environ["MARINRL_T_OUT"]
+json.dump({"forked": os.environ.get("MARINRL_FORKED_FROM"),
+           "mode": str(ray._raylet.get_authentication_mode())}, open(out + ".tmp", "w"))
+os.replace(out + ".tmp", out)
+"""
+
+
+def test_ray_is_imported_with_what_the_raylet_gives_its_workers(tmp_path, monkeypatch):
+    """Ray's C++ settings are read from the environment when Ray is imported (the raylet's
+    pid, the job, the authentication mode that ``ray.init`` turns on after the server has
+    started): the server imports Ray in the first worker's environment, and a forked worker's
+    Ray has the authentication mode that environment names, as an exec'd one has."""
+    workers_environment(tmp_path, monkeypatch, "ray._raylet")
+    forks = WorkerForkServer()
+    forks.start()  # (no RAY_AUTH_MODE in its environment)
+    script = tmp_path / "ray_worker.py"
+    script.write_text(RAY_WORKER)
+
+    def run(*command: str, auth: str) -> dict:
+        env = {**os.environ, "RAY_AUTH_MODE": auth}
+        assert subprocess.run([sys.executable, *command], env=env, timeout=120).returncode == 0
+        got = reported(tmp_path)
+        (tmp_path / "out.json").unlink()
+        return got
+
+    try:
+        forked = run(SETUP_WORKER, "--language=PYTHON", str(script), auth="token")
+    finally:
+        forks.stop()
+    execd = {auth: run(str(script), auth=auth) for auth in ("token", "disabled")}
+    assert forked["forked"] and execd["token"]["forked"] is None
+    assert forked["mode"] == execd["token"]["mode"] != execd["disabled"]["mode"]

@@ -61,7 +61,7 @@ from marin_rl_core.job.checks import (
     resume_conflicts,
     run_dir_error,
 )
-from marin_rl_core.job.local_ray import handle_sigterm, lean_loopback_head, no_token_auth_notice
+from marin_rl_core.job.local_ray import LocalRay, handle_sigterm
 from marin_rl_core.job.memory import check_memory
 from marin_rl_core.job.trainer_group import start_trainer, wait_until_ready
 from marin_rl_core.job.watch import Watch
@@ -76,7 +76,6 @@ from marin_rl_core.rundir import (
 )
 
 logger = logging.getLogger(__name__)
-_UNSET: Any = object()
 
 
 @attrs.frozen(kw_only=True)
@@ -126,7 +125,7 @@ class RLJob:
         self.run_dir = absolute(config.run_dir) / self.run_id
         self.local_dir = local_copy(self.run_dir)
         check_run_dir_writable(self.run_dir)  # before Ray and the workers start
-        self._auth_mode: Any = _UNSET
+        self._local_ray: LocalRay | None = None
         self._log_handler: logging.Handler | None = None
         self.validate()
 
@@ -238,32 +237,8 @@ class RLJob:
                     "a Ray head of the same Ray version (`ray status --address ADDRESS`)."
                 ) from exc
             return True
-        # Ray turns token authentication on for a new local cluster and sets RAY_AUTH_MODE in
-        # os.environ, with a warning addressed to Ray users: keep the authentication, drop the
-        # warning, and give RAY_AUTH_MODE its previous value back at shutdown so that child
-        # processes do not inherit Ray's.
-        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
-        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
-            no_token_auth_notice
-        )
-        # address="local": a new instance even where `ray start` left a cluster address behind
-        # (plain ray.init() would try to join that one).
-        if sys.platform != "win32":  # (fork; the raylet's workers start through it there)
-            from marin_rl_core.job.worker_fork import WorkerForkServer
-
-            self._fork_server = WorkerForkServer()
-            self._fork_server.start()
-        with lean_loopback_head():
-            ray.init(
-                address="local",
-                include_dashboard=False,
-                log_to_driver=False,
-                num_cpus=os.cpu_count() or 2,
-                # Ray starts its workers at niceness 15, for clusters shared with services: the
-                # job's trainer and samplers are the user's own work, at the user's priority.
-                _system_config={"worker_niceness": 0},
-            )
-        address = ray.get_runtime_context().gcs_address
+        self._local_ray = LocalRay()
+        address = self._local_ray.start()
         if not address.startswith(("127.", "[::1]", "localhost")):
             logger.warning("the local Ray instance listens at %s, not on loopback only", address)
         return True
@@ -271,16 +246,11 @@ class RLJob:
     def _stop_ray(self) -> None:
         import ray
 
-        ray.shutdown()
-        if getattr(self, "_fork_server", None) is not None:
-            self._fork_server.stop()
-            self._fork_server = None
-        if self._auth_mode is not _UNSET:
-            if self._auth_mode is None:
-                os.environ.pop("RAY_AUTH_MODE", None)
-            else:
-                os.environ["RAY_AUTH_MODE"] = self._auth_mode
-            self._auth_mode = _UNSET
+        if self._local_ray is not None:
+            self._local_ray.stop()
+            self._local_ray = None
+        else:
+            ray.shutdown()
 
     def _write_run_dir(self, config: RLJobConfig) -> None:
         """Create the run directory, write ``config.toml`` and open ``driver.log``: only after
@@ -358,17 +328,17 @@ class RLJob:
         finally:
             if restore_sigterm is not None:
                 restore_sigterm()
-            if self._log_handler is not None:
-                logging.getLogger().removeHandler(self._log_handler)
-                self._log_handler.close()
-                self._log_handler = None
-            upload_now()  # a run directory on a bucket: driver.log as far as here
             try:
                 storage.close()
             except Exception:  # noqa: BLE001 - e.g. the queue actor already gone with Ray
                 logger.debug("closing the rollout storage failed", exc_info=True)
             if started_ray:
-                self._stop_ray()
+                self._stop_ray()  # (what the fork server said goes into driver.log)
+            if self._log_handler is not None:
+                logging.getLogger().removeHandler(self._log_handler)
+                self._log_handler.close()
+                self._log_handler = None
+            upload_now()  # a run directory on a bucket: driver.log as far as here
 
     def _user_error(self, exc: BaseException) -> MarinRLError:
         """What the user is told about ``exc`` (a worker's error arrives wrapped by Ray); the
@@ -402,10 +372,9 @@ class RLJob:
         placed = None  # the trainer hosts' placement group
         try:
             hub_name = f"marinrl-{self.run_id}-{os.urandom(4).hex()}-hub"
-            # The trainer and rollout workers first: Ray starts as many worker processes as the
-            # node has CPUs as soon as the driver connects, and the first actors created get
-            # them (~0.5 s sooner than a new process on a 2-core machine). The hub (metrics and
-            # curriculum) follows; the workers find it by name.
+            # The trainer and rollout workers first, the hub (metrics and curriculum) after
+            # them: the workers find it by name. (Each actor's process is started for it; on
+            # a local Ray, forked from the job's fork server.)
             # (A trainer over several hosts: one actor per host, placed together.)
             colocated = config.resources.colocate is True
             trainer, followers, placed = start_trainer(

@@ -1,11 +1,13 @@
 """The driver's own Ray: a lean local head on loopback (no API server, autoscaler monitor or log
-monitor), SIGTERM handling, and quieting Ray's notices that do not apply."""
+monitor) whose workers are forked from the job's fork server (:class:`LocalRay`), SIGTERM
+handling, and quieting Ray's notices that do not apply."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,9 +61,9 @@ def lean_loopback_head() -> Iterator[None]:
       dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
       ``--ray-address``.
     * The raylet starts each worker through :mod:`marin_rl_core.job.ray_worker_start`, which
-      has the job's fork server (:mod:`marin_rl_core.job.worker_fork`, its directory in the
-      environment the driver gives the raylet) fork the worker with JAX, levanter and Ray
-      imported, or does what Ray's own set-up script does, where Ray's script takes just the
+      has the job's fork server (:mod:`marin_rl_core.job.worker_fork`, which the driver starts
+      just before this ``ray.init``; its directory in the environment the driver gives the
+      raylet) fork the worker with JAX, levanter and Ray imported, or does what Ray's own set-up script does, where Ray's script takes just the
       two options it reads. (The raylet leaves a script whose name ends in ``setup_worker.py``
       out of the command of a worker without a runtime env, hence the name.)
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
@@ -127,3 +129,132 @@ def _no_dashboard() -> ImportError:
 
 def no_token_auth_notice(record: logging.LogRecord) -> bool:
     return "Token authentication is enabled for this Ray cluster" not in record.getMessage()
+
+
+class WorkerForkServer:
+    """The fork server of one local Ray (:mod:`marin_rl_core.job.worker_fork`), started by its
+    driver: :meth:`start` before ``ray.init`` (the server imports while Ray starts; the raylet's
+    environment names its directory, ``MARINRL_WORKER_FORK``, and the workers' environment is
+    the driver's), :meth:`stop` after ``ray.shutdown``."""
+
+    def __init__(self) -> None:
+        self.directory: str | None = None
+        self._process: Any = None
+
+    def start(self, owner: int | None = None) -> None:
+        """Make the server's directory and start the server in it, in this process's
+        environment; it exits when the process ``owner`` (this one by default) does."""
+        import subprocess
+        import tempfile
+        import threading
+
+        from marin_rl_core.job import worker_fork
+
+        self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
+        os.environ[worker_fork.ENV] = self.directory
+        with open(os.path.join(self.directory, "server.log"), "ab") as log:
+            # A session of its own: a signal to the driver's process group is the driver's.
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    worker_fork.__name__,
+                    self.directory,
+                    str(owner or os.getpid()),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+            )
+        pid_file = os.path.join(self.directory, "pid")  # the workers wait while it lives
+        with open(pid_file + ".tmp", "w") as out:
+            out.write(str(self._process.pid))
+        os.replace(pid_file + ".tmp", pid_file)
+        # Reaped as soon as it exits (a zombie would look alive to the workers waiting for it).
+        threading.Thread(target=self._process.wait, name="fork-server-reaper", daemon=True).start()
+
+    def stop(self) -> None:
+        import shutil
+        import subprocess
+
+        from marin_rl_core.job import worker_fork
+
+        os.environ.pop(worker_fork.ENV, None)
+        if not self.directory:
+            return
+        try:  # why a worker was not forked, or the server did not serve: in the driver's log
+            said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
+        except OSError:
+            said = ""
+        if said:
+            logging.getLogger(worker_fork.__name__).info(
+                "the fork server of the local Ray: %s", said[-2000:]
+            )
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                worker_fork._kill(self._process.pid)
+                self._process.wait()
+        self._process = None
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.directory = None
+
+
+class LocalRay:
+    """The job's own Ray on this machine: :meth:`start` starts the fork server
+    (:class:`WorkerForkServer`, POSIX) and then a new local instance with
+    :func:`lean_loopback_head`, token authentication on and the workers at this process's
+    niceness; :meth:`stop` shuts both down and gives ``RAY_AUTH_MODE`` its earlier value back
+    (Ray sets it in ``os.environ``: child processes started later would inherit Ray's)."""
+
+    def __init__(self) -> None:
+        self._auth_mode: Any = _UNSET
+        self._fork_server: WorkerForkServer | None = None
+
+    def start(self, num_cpus: int | None = None) -> str:
+        """Start it (``num_cpus``: this machine's by default); returns its GCS address."""
+        import ray
+
+        # Ray turns token authentication on for a new local cluster and sets RAY_AUTH_MODE in
+        # os.environ, with a warning addressed to Ray users: keep the authentication, drop the
+        # warning.
+        self._auth_mode = os.environ.get("RAY_AUTH_MODE")
+        logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+            no_token_auth_notice
+        )
+        if sys.platform != "win32":  # (fork; the raylet's workers start through it there)
+            self._fork_server = WorkerForkServer()
+            self._fork_server.start()
+        with lean_loopback_head():
+            # address="local": a new instance even where `ray start` left a cluster address
+            # behind (plain ray.init() would try to join that one).
+            ray.init(
+                address="local",
+                include_dashboard=False,
+                log_to_driver=False,
+                num_cpus=num_cpus or os.cpu_count() or 2,
+                # Ray starts its workers at niceness 15, for clusters shared with services: the
+                # job's trainer and samplers are the user's own work, at the user's priority.
+                # Nor does the driver wait for the workers Ray would start ahead of the first
+                # driver (its ray.init would wait without end for workers that cannot start):
+                # the job's actors start theirs at once, forked from the fork server.
+                _system_config={"worker_niceness": 0, "prestart_worker_first_driver": False},
+            )
+        return ray.get_runtime_context().gcs_address
+
+    def stop(self) -> None:
+        import ray
+
+        ray.shutdown()
+        if self._fork_server is not None:
+            self._fork_server.stop()
+            self._fork_server = None
+        if self._auth_mode is not _UNSET:
+            if self._auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = self._auth_mode
+            self._auth_mode = _UNSET

@@ -9,8 +9,8 @@ runtime env: for a worker without one, the raylet leaves out a script whose name
 Where the driver started the local Ray with a fork server (:mod:`marin_rl_core.job.worker_fork`;
 its directory in ``MARINRL_WORKER_FORK``), a Python worker with no command prefix and no other
 entry point is forked from it (:func:`run_forked`): this process stays the raylet's child for the
-worker's life, passes signals on and exits as the worker did. The first worker starts the
-server. Otherwise (or where the server does not take the worker), it does exactly what Ray's
+worker's life, passes signals on and exits as the worker did (the driver started the server
+before Ray). Otherwise (or where the server does not take the worker), it does exactly what Ray's
 script does for a Python worker, without importing Ray first: ``env_vars`` expanded as Ray's
 ``update_envs`` does, then ``exec`` of ``command_prefix`` + ``py_executable`` + the worker's
 arguments (straight where the Python is a program's path and there is no prefix, through
@@ -100,8 +100,8 @@ lives; then, or where it is gone, the worker is ``exec``'d as without one."""
 def run_forked(directory: str, argv: list[str]) -> int | None:
     """Have the fork server in ``directory`` start the worker ``argv`` and wait for it,
     passing on SIGTERM, SIGINT and SIGHUP; returns its exit status (negative: the signal that
-    ended it), or ``None`` where the server did not start it. The first worker of the local Ray
-    starts the server (:mod:`marin_rl_core.job.worker_fork`), in this worker's environment."""
+    ended it), or ``None`` where the server did not start it (the driver started the server,
+    :mod:`marin_rl_core.job.worker_fork`; it may still be importing)."""
     import socket
     import struct
     import time
@@ -110,26 +110,18 @@ def run_forked(directory: str, argv: list[str]) -> int | None:
     pid_file = os.path.join(directory, "pid")
     if not os.path.isdir(directory):
         return None
-    if not os.path.exists(path):
-        try:
-            os.close(os.open(os.path.join(directory, "starting"), os.O_CREAT | os.O_EXCL))
-            start_server(directory)
-        except FileExistsError:
-            pass  # another worker starts it
-        except OSError:
-            return None
     deadline = time.monotonic() + FORK_SERVER_WAIT_S
     while not os.path.exists(path):
         try:
             server_pid = int(open(pid_file).read())  # noqa: SIM115
         except (OSError, ValueError):
             server_pid = 0
-        if (server_pid and not alive(server_pid)) or time.monotonic() > deadline:
+        if not server_pid or not alive(server_pid) or time.monotonic() > deadline:
             return None
         time.sleep(0.05)
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.settimeout(30.0)
+        conn.settimeout(FORK_SERVER_WAIT_S)  # (the first worker's answer waits for imports)
         conn.connect(path)
         body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}).encode()
         socket.send_fds(conn, [struct.pack("!I", len(body)) + body], [0, 1, 2])
@@ -159,25 +151,6 @@ def run_forked(directory: str, argv: list[str]) -> int | None:
     while alive(pid):  # the server went away without a word: the worker may live on
         time.sleep(0.5)
     return 1
-
-
-def start_server(directory: str) -> None:
-    """Start the fork server in ``directory`` (its own session, so it outlives this process
-    until the raylet goes), its pid in ``directory/pid``."""
-    import subprocess
-
-    raylet = os.environ.get("RAY_RAYLET_PID") or str(os.getppid())
-    with open(os.path.join(directory, "server.log"), "ab") as log:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "marin_rl_core.job.worker_fork", directory, raylet],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            start_new_session=True,
-        )
-    with open(os.path.join(directory, "pid.tmp"), "w") as out:
-        out.write(str(server.pid))
-    os.replace(os.path.join(directory, "pid.tmp"), os.path.join(directory, "pid"))
 
 
 def alive(pid: int) -> bool:

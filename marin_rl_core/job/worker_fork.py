@@ -6,12 +6,20 @@ On a 2-core machine a trainer or rollout worker spends ~2.5 of its ~4-7 CPU-s im
 the job's hub and rollout queue ~1 s each importing Ray and marinrl's config: a job imports the
 same modules four to six times (docs/development.md#tests).
 
+The driver starts the server (:class:`WorkerForkServer`) just before ``ray.init``, in the
+environment it starts Ray in, and the server imports JAX, transformers and the rest that does
+not import Ray (:data:`EARLY`) while Ray's processes start; Ray and what imports it
+(:data:`PRELOAD`) follow in the first worker's environment, which holds what Ray's C++ side reads
+at import (the raylet's pid, the authentication mode, the job). A job's ``ray.init`` waits for
+the first workers Ray starts to register: on a 2-core machine ~2 s when the first worker started
+the server and the server imported everything then.
+
 How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the raylet runs):
 
 1. The set-up script connects to this server's Unix socket (in ``MARINRL_WORKER_FORK``, a
-   directory only this user can enter, which the driver made; the first worker starts the
-   server there, in the workers' environment) and sends the worker's command line, environment and
-   directory, with its standard input, output and error (``SCM_RIGHTS``).
+   directory only this user can enter, which the driver made; waiting while the server
+   imports what it imports first) and sends the worker's command line, environment and directory, with its standard
+   input, output and error (``SCM_RIGHTS``).
 2. The server forks; the child takes those, then runs Ray's ``default_worker.py`` as
    ``__main__`` with the modules already imported. The server answers the child's pid.
 3. The set-up script stays the raylet's child for the worker's life, as the process the
@@ -22,9 +30,9 @@ How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the rayle
 Only where forking gives the worker what ``exec`` would give it: the same Python, no
 command prefix or other entry point, and an environment that differs from the server's only
 in what the raylet sets for its workers (:func:`differences`). Anything else, or a server not
-there (not started yet, dead), and the set-up script ``exec``s the worker as before. The server
-exits when the raylet does (and removes its directory), or when the driver stops the local Ray
-(:class:`WorkerForkServer`).
+there (dead, or not ready within a minute), and the set-up script ``exec``s the worker as
+before. The server exits when the driver stops the local Ray, or within a second of the
+driver's death (and then removes its directory itself).
 
 The server imports, and has one Python thread when it forks (no Python lock can be held by a
 thread the child does not have; checked: it refuses to serve otherwise). JAX's backends are not
@@ -44,6 +52,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -64,16 +73,40 @@ PRELOAD = (
     "marin_rl_core.rollout.worker",
     "marin_rl_core.rollout.manager",
 )
-"""What the server imports: what every worker of a job imports before it does anything."""
+"""What the server imports for the first worker, in its environment (Ray reads its C++ settings,
+the raylet's pid among them, from the environment at import): what every worker of a job
+imports before it does anything."""
+
+EARLY = (
+    "numpy",
+    "jax",
+    "jax.numpy",
+    "equinox",
+    "optax",
+    "haliax",
+    "transformers",
+    "huggingface_hub",
+    "pyarrow",
+    "tensorstore",
+)
+"""What the server imports as soon as it starts, while Ray starts beside it: most of what
+:data:`PRELOAD` imports (~1.4 of its ~1.7 s), none of it Ray."""
+
+DIED_AT_START_S = 10.0
+"""A forked worker that exits with an error this soon after it was forked stops the forking:
+it died before it could have set up (Ray's worker would crash the same way each time, say a Ray
+that reads what the server imported wrongly), and the raylet would retry it without end (a job
+waiting on its actors would wait with it); the raylet's next workers are ``exec``'d."""
 
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 16 << 20
 
 
-LATE_VARIABLES = frozenset({ENV, "SPT_NOENV"})
-"""Variables read after the imports, by the worker itself: set by Ray (``SPT_NOENV`` at
-``ray.init``, for setproctitle's first call) or by marinrl; like the ``RAY_`` ones the raylet
-sets for its workers, they may differ."""
+LATE_VARIABLES = frozenset({ENV, "SPT_NOENV", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"})
+"""Variables read when used, after the imports: set by Ray (``SPT_NOENV`` at ``ray.init``, for
+setproctitle's first call), by marinrl, by a terminal library in the driver (its size, read when
+output is laid out) or by pytest (the running test, set at each phase of a test); like the
+``RAY_`` ones the raylet sets for its workers, they may differ from the server's."""
 
 
 def differences(
@@ -101,9 +134,10 @@ def _send_message(conn: socket.socket, message: dict[str, Any]) -> None:
 # --- the server ---------------------------------------------------------------------------------
 
 
-def serve(directory: str, raylet: int) -> None:
-    """Import :data:`PRELOAD`, listen at ``directory``'s socket and fork a worker for each
-    request until the process ``raylet`` exits or SIGTERM comes."""
+def serve(directory: str, owner: int) -> None:
+    """Import :data:`EARLY`, listen at ``directory``'s socket, import :data:`PRELOAD` in the
+    environment of the first worker, and fork a worker for each request until the process
+    ``owner`` (the driver) exits or SIGTERM comes."""
     path = os.path.join(directory, "socket")
     own_env = dict(os.environ)  # what a worker's environment is compared with: before imports
     from marin_rl_core import deferred_imports
@@ -112,19 +146,37 @@ def serve(directory: str, raylet: int) -> None:
     import importlib
 
     preload = os.environ.get("MARINRL_FORK_PRELOAD")  # (tests: a server that imports little)
-    with _ray_random_untouched():
-        for name in preload.split(",") if preload else PRELOAD:
-            importlib.import_module(name)
-    if not _forks_draw_their_own_ids():
-        raise SystemExit("forked processes would draw the same Ray ids: not forking")
-    if threading.active_count() != 1:
-        raise SystemExit(f"{threading.active_count()} threads after the imports: not forking")
+    for name in () if preload else EARLY:
+        importlib.import_module(name)
+    if "ray._raylet" in sys.modules:
+        raise SystemExit("Ray was imported before the raylet's environment was known: not forking")
     # What the imports set (TF_CPP_MIN_LOG_LEVEL, TRANSFORMERS_VERBOSITY, ...): a worker that
     # imported them itself would have them too.
     imported_env = {k: v for k, v in os.environ.items() if own_env.get(k) != v}
+
+    imported = False
+
+    def import_the_rest(first_env: dict[str, str]) -> None:
+        """Ray and what imports it, in the first worker's environment (the raylet's pid, the
+        authentication mode: Ray's C++ settings are read from it when Ray is imported)."""
+        nonlocal imported
+        if imported:
+            return
+        imported = True
+        os.environ.clear()
+        os.environ.update({**first_env, **imported_env})
+        with _ray_random_untouched():
+            for name in preload.split(",") if preload else PRELOAD:
+                importlib.import_module(name)
+        if not _forks_draw_their_own_ids():
+            raise SystemExit("forked processes would draw the same Ray ids: not forking")
+        if threading.active_count() != 1:
+            raise SystemExit(f"{threading.active_count()} threads after the imports: not forking")
+        imported_env.update({k: v for k, v in os.environ.items() if first_env.get(k) != v})
+
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
-    os.replace(path + ".tmp", path)  # the socket appears once the server is ready
+    os.replace(path + ".tmp", path)  # the socket appears once the server takes requests
     listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -142,16 +194,24 @@ def serve(directory: str, raylet: int) -> None:
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "wake")
     children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
+    born: dict[int, float] = {}  # worker pid -> when it was forked
+    stopped_forking = ""  # why the server forks no more workers
     try:
-        while not stop and alive(raylet):
+        while not stop and alive(owner):
             for key, _ in selector.select(timeout=1.0):
                 if key.data == "accept":
                     conn, _ = listener.accept()
                     pid = _start(
-                        conn, own_env, imported_env, (listener, wake_r, wake_w, selector, children)
+                        conn,
+                        own_env,
+                        imported_env,
+                        import_the_rest,
+                        stopped_forking,
+                        (listener, wake_r, wake_w, selector, children),
                     )
                     if pid:
                         children[pid] = conn
+                        born[pid] = time.monotonic()
                         selector.register(conn, selectors.EVENT_READ, pid)
                     else:
                         conn.close()
@@ -165,7 +225,14 @@ def serve(directory: str, raylet: int) -> None:
                     selector.unregister(key.fileobj)
                     if pid in children:
                         _kill(pid)
-            _reap(children, selector)
+            for pid, code in _reap(children, selector):
+                age = time.monotonic() - born.pop(pid, 0.0)
+                if code > 0 and age < DIED_AT_START_S and not stopped_forking:
+                    stopped_forking = (
+                        f"not forking any more: a forked worker exited with status {code} "
+                        f"{age:.1f} s after it was forked; the workers after it are exec'd"
+                    )
+                    print(stopped_forking, file=sys.stderr, flush=True)
     finally:
         for pid in children:
             _kill(pid)
@@ -174,7 +241,7 @@ def serve(directory: str, raylet: int) -> None:
                 os.unlink(path)
             except OSError:
                 pass
-        else:  # the raylet is gone (its driver too, maybe): nobody else will
+        else:  # the driver is gone (killed): nobody else will
             import shutil
 
             shutil.rmtree(directory, ignore_errors=True)
@@ -184,9 +251,12 @@ def _start(
     conn: socket.socket,
     own_env: dict[str, str],
     imported_env: dict[str, str],
+    before_fork: Any,
+    stopped_forking: str,
     close_in_child: tuple,
 ) -> int | None:
-    """Read one request and fork its worker; the worker's pid, or ``None`` (refused)."""
+    """Read one request and fork its worker; the worker's pid, or ``None`` (refused).
+    ``before_fork(env)`` is called with the worker's environment before it is forked."""
     conn.settimeout(10.0)
     try:
         data, fds, _, _ = socket.recv_fds(conn, _MAX_REQUEST, 3)
@@ -205,6 +275,8 @@ def _start(
             if argv[0] != sys.executable or len(argv) < 2
             else f"not forked: the worker's environment differs in {differ}"
             if differ
+            else "not forked: forking stopped (above)"
+            if stopped_forking
             else ""
         )
         if refused:
@@ -215,6 +287,7 @@ def _start(
             return None
     except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
+    before_fork(env)
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
@@ -329,17 +402,22 @@ def _kill(pid: int) -> None:
             pass
 
 
-def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) -> None:
+def _reap(
+    children: dict[int, socket.socket], selector: selectors.BaseSelector
+) -> list[tuple[int, int]]:
+    """Reap the workers that exited: ``[(pid, exit status), ...]`` (negative: by a signal)."""
+    reaped: list[tuple[int, int]] = []
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
+            break
         conn = children.pop(pid, None)
         if conn is None:
             continue
+        reaped.append((pid, os.waitstatus_to_exitcode(status)))
         try:  # what the worker started and left behind, as the raylet's clean-up does
             os.killpg(pid, signal.SIGKILL)
         except OSError:
@@ -349,54 +427,19 @@ def _reap(children: dict[int, socket.socket], selector: selectors.BaseSelector) 
         except (KeyError, ValueError):
             pass
         try:
-            _send_message(conn, {"exit": os.waitstatus_to_exitcode(status)})
+            _send_message(conn, {"exit": reaped[-1][1]})
         except OSError:
             pass
         conn.close()
-
-
-class WorkerForkServer:
-    """The fork server's directory for one local Ray: :meth:`start` before ``ray.init`` (the
-    raylet's environment names it, :data:`ENV`; the first worker starts the server in it, with
-    the environment the raylet gives its workers), :meth:`stop` after ``ray.shutdown``."""
-
-    def __init__(self) -> None:
-        self.directory: str | None = None
-
-    def start(self) -> None:
-        import tempfile
-
-        self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
-        os.environ[ENV] = self.directory
-
-    def stop(self) -> None:
-        import shutil
-        import time
-
-        os.environ.pop(ENV, None)
-        if not self.directory:
-            return
-        try:
-            pid = int(open(os.path.join(self.directory, "pid")).read())  # noqa: SIM115
-        except (OSError, ValueError):
-            pid = 0
-        try:  # why a worker was not forked, or the server did not serve: in the driver's log
-            said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
-        except OSError:
-            said = ""
-        if said:
-            import logging
-
-            logging.getLogger(__name__).info("the fork server of the local Ray: %s", said[-2000:])
-        if pid > 0 and alive(pid):
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 5
-            while alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            _kill(pid)
-        shutil.rmtree(self.directory, ignore_errors=True)
-        self.directory = None
+    return reaped
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1], int(sys.argv[2]))
+    try:
+        serve(sys.argv[1], int(sys.argv[2]))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    # Nothing is left to clean up: without the interpreter's teardown of what it imported
+    # (~0.6 s on a 2-core machine, ~2 s while the job's Ray shuts down beside it).
+    os._exit(0)
