@@ -168,9 +168,9 @@ def test_a_worker_in_another_environment_is_execd_as_without_a_server(server, tm
 
 
 def test_a_forked_worker_dying_at_start_stops_the_forking(server, tmp_path):
-    """A worker that exits with an error as soon as it is forked (as a Ray worker would that
-    cannot start forked) stops the forking: the raylet would start it again without end; the
-    workers after it are exec'd, and the log says why."""
+    """A worker that exits with an error before it reaches Ray's worker loop (as a Ray worker
+    would that cannot start forked; this one never does) stops the forking: the raylet would
+    start it again without end; the workers after it are exec'd, and the log says why."""
     first = start(tmp_path, "exit")  # exits with status 7 at once
     first.communicate(timeout=60)
     assert first.returncode == 7 and reported(tmp_path)["forked"]
@@ -185,7 +185,7 @@ def test_a_forked_worker_dying_at_start_stops_the_forking(server, tmp_path):
     got = reported(tmp_path)
     assert proc.returncode == 7 and got["forked"] is None and got["pid"] == proc.pid
     said = log.read_text()
-    assert "a forked worker exited with status 7" in said
+    assert "a forked worker exited with status 7 before it reached Ray's worker loop" in said
     assert "not forked: forking stopped" in said
 
 

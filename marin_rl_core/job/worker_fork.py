@@ -52,7 +52,6 @@ import socket
 import struct
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,11 +91,6 @@ EARLY = (
 """What the server imports as soon as it starts, while Ray starts beside it: most of what
 :data:`PRELOAD` imports (~1.4 of its ~1.7 s), none of it Ray."""
 
-DIED_AT_START_S = 10.0
-"""A forked worker that exits with an error this soon after it was forked stops the forking:
-it died before it could have set up (Ray's worker would crash the same way each time, say a Ray
-that reads what the server imported wrongly), and the raylet would retry it without end (a job
-waiting on its actors would wait with it); the raylet's next workers are ``exec``'d."""
 
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 16 << 20
@@ -194,7 +188,7 @@ def serve(directory: str, owner: int) -> None:
     selector.register(listener, selectors.EVENT_READ, "accept")
     selector.register(wake_r, selectors.EVENT_READ, "wake")
     children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
-    born: dict[int, float] = {}  # worker pid -> when it was forked
+    reached: dict[int, int] = {}  # worker pid -> a pipe it writes to once in Ray's worker loop
     stopped_forking = ""  # why the server forks no more workers
     try:
         while not stop and alive(owner):
@@ -207,11 +201,11 @@ def serve(directory: str, owner: int) -> None:
                         imported_env,
                         import_the_rest,
                         stopped_forking,
-                        (listener, wake_r, wake_w, selector, children),
+                        reached,
+                        (listener, wake_r, wake_w, selector, children, reached),
                     )
                     if pid:
                         children[pid] = conn
-                        born[pid] = time.monotonic()
                         selector.register(conn, selectors.EVENT_READ, pid)
                     else:
                         conn.close()
@@ -226,11 +220,14 @@ def serve(directory: str, owner: int) -> None:
                     if pid in children:
                         _kill(pid)
             for pid, code in _reap(children, selector):
-                age = time.monotonic() - born.pop(pid, 0.0)
-                if code > 0 and age < DIED_AT_START_S and not stopped_forking:
+                # A forked worker that exits with an error before it reached Ray's worker loop
+                # (it could not start: say a Ray that read its settings wrongly) would fail the
+                # same way each time the raylet starts it again, without end (a job waiting on
+                # its actors waiting with it): the workers after it are exec'd.
+                if code > 0 and not _reached_the_loop(reached.pop(pid, -1)) and not stopped_forking:
                     stopped_forking = (
                         f"not forking any more: a forked worker exited with status {code} "
-                        f"{age:.1f} s after it was forked; the workers after it are exec'd"
+                        "before it reached Ray's worker loop; the workers after it are exec'd"
                     )
                     print(stopped_forking, file=sys.stderr, flush=True)
     finally:
@@ -253,6 +250,7 @@ def _start(
     imported_env: dict[str, str],
     before_fork: Any,
     stopped_forking: str,
+    reached: dict[int, int],
     close_in_child: tuple,
 ) -> int | None:
     """Read one request and fork its worker; the worker's pid, or ``None`` (refused).
@@ -290,24 +288,33 @@ def _start(
     before_fork(env)
     sys.stdout.flush()
     sys.stderr.flush()
+    loop_r, loop_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the worker
-        _become_worker(argv, {**env, **imported_env}, cwd, fds, conn, close_in_child)
+        os.close(loop_r)
+        _become_worker(argv, {**env, **imported_env}, cwd, fds, conn, close_in_child, loop_w)
+    os.close(loop_w)
+    os.set_blocking(loop_r, False)
+    reached[pid] = loop_r
     for fd in fds:
         os.close(fd)
     try:
         _send_message(conn, {"pid": pid})
     except OSError:
         _kill(pid)
+        os.close(reached.pop(pid))
         return None
     conn.settimeout(None)
     return pid
 
 
-def _become_worker(argv, env, cwd, fds, conn, close_in_child) -> None:  # noqa: ANN001
+def _become_worker(argv, env, cwd, fds, conn, close_in_child, loop_w) -> None:  # noqa: ANN001
     code = 1
     try:
-        listener, wake_r, wake_w, selector, children = close_in_child
+        listener, wake_r, wake_w, selector, children, reached = close_in_child
+        for fd in reached.values():
+            os.close(fd)
+        _say_when_in_the_worker_loop(loop_w)
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):
             signal.signal(signum, signal.SIG_DFL)
@@ -344,6 +351,36 @@ def _become_worker(argv, env, cwd, fds, conn, close_in_child) -> None:  # noqa: 
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+def _say_when_in_the_worker_loop(loop_w: int) -> None:
+    """Write to ``loop_w`` once Ray's worker loop starts (the worker registered and runs tasks);
+    a Ray without that method: never (every error exit then counts as a failed start)."""
+    worker = sys.modules.get("ray._private.worker")
+    main_loop = getattr(getattr(worker, "Worker", None), "main_loop", None)
+    if main_loop is None:
+        return
+
+    def main_loop_said(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            os.write(loop_w, b"1")
+            os.close(loop_w)
+        except OSError:
+            pass
+        return main_loop(self, *args, **kwargs)
+
+    worker.Worker.main_loop = main_loop_said
+
+
+def _reached_the_loop(loop_r: int) -> bool:
+    if loop_r < 0:
+        return False
+    try:
+        return os.read(loop_r, 1) == b"1"
+    except OSError:
+        return False
+    finally:
+        os.close(loop_r)
 
 
 @contextlib.contextmanager
