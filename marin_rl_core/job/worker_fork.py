@@ -224,7 +224,8 @@ def serve(directory: str, owner: int) -> None:
                 # (it could not start: say a Ray that read its settings wrongly) would fail the
                 # same way each time the raylet starts it again, without end (a job waiting on
                 # its actors waiting with it): the workers after it are exec'd.
-                if code > 0 and not _reached_the_loop(reached.pop(pid, -1)) and not stopped_forking:
+                in_the_loop = _reached_the_loop(reached.pop(pid, -1))  # (its pipe closed)
+                if code > 0 and not in_the_loop and not stopped_forking:
                     stopped_forking = (
                         f"not forking any more: a forked worker exited with status {code} "
                         "before it reached Ray's worker loop; the workers after it are exec'd"
