@@ -261,3 +261,30 @@ def test_ray_is_imported_with_what_the_raylet_gives_its_workers(tmp_path, monkey
     execd = {auth: run(str(script), auth=auth) for auth in ("token", "disabled")}
     assert forked["forked"] and execd["token"]["forked"] is None
     assert forked["mode"] == execd["token"]["mode"] != execd["disabled"]["mode"]
+
+
+def test_a_local_ray_that_fails_to_start_leaves_no_fork_server(tmp_path, monkeypatch):
+    """``ray.init`` failing (here made to): the fork server started before it is stopped, its
+    directory removed and ``MARINRL_WORKER_FORK`` unset, before the error reaches the caller."""
+    from marin_rl_core.job.local_ray import LocalRay
+
+    workers_environment(tmp_path, monkeypatch, "json")
+
+    def fails(self, num_cpus):
+        raise RuntimeError("ray.init failed")
+
+    monkeypatch.setattr(LocalRay, "_init_ray", fails)
+    local = LocalRay()
+    started = []
+    real_start = WorkerForkServer.start
+
+    def start(self, owner=None):
+        real_start(self, owner)
+        started.append((self.directory, self._process))
+
+    monkeypatch.setattr(WorkerForkServer, "start", start)
+    with pytest.raises(RuntimeError, match="ray.init failed"):
+        local.start(1)
+    ((directory, process),) = started
+    assert process.poll() is not None, "the fork server still runs"
+    assert not os.path.exists(directory) and ENV not in os.environ

@@ -63,8 +63,8 @@ def lean_loopback_head() -> Iterator[None]:
     * The raylet starts each worker through :mod:`marin_rl_core.job.ray_worker_start`, which
       has the job's fork server (:mod:`marin_rl_core.job.worker_fork`, which the driver starts
       just before this ``ray.init``; its directory in the environment the driver gives the
-      raylet) fork the worker with JAX, levanter and Ray imported, or does what Ray's own set-up script does, where Ray's script takes just the
-      two options it reads. (The raylet leaves a script whose name ends in ``setup_worker.py``
+      raylet) fork the worker with JAX, levanter and Ray imported, or does what Ray's own
+      set-up script does, where Ray's script takes just the two options it reads. (The raylet leaves a script whose name ends in ``setup_worker.py``
       out of the command of a worker without a runtime env, hence the name.)
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
       their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
@@ -228,6 +228,16 @@ class LocalRay:
         if sys.platform != "win32":  # (fork; the raylet's workers start through it there)
             self._fork_server = WorkerForkServer()
             self._fork_server.start()
+        try:
+            self._init_ray(num_cpus)
+        except BaseException:
+            self.stop()  # (no fork server left behind a Ray that did not start)
+            raise
+        return ray.get_runtime_context().gcs_address
+
+    def _init_ray(self, num_cpus: int | None) -> None:
+        import ray
+
         with lean_loopback_head():
             # address="local": a new instance even where `ray start` left a cluster address
             # behind (plain ray.init() would try to join that one).
@@ -243,7 +253,6 @@ class LocalRay:
                 # the job's actors start theirs at once, forked from the fork server.
                 _system_config={"worker_niceness": 0, "prestart_worker_first_driver": False},
             )
-        return ray.get_runtime_context().gcs_address
 
     def stop(self) -> None:
         import ray
