@@ -71,7 +71,7 @@ SHAPES = {
 
 
 def write_checkpoint(path: Path, *, shape: str, layers: int) -> Path:
-    from marin_rl_core.testing import write_tiny_hf_checkpoint
+    from marin_rl_core.tiny_checkpoints import write_tiny_hf_checkpoint
 
     if (path / "model.safetensors").exists() or (path / "model.safetensors.index.json").exists():
         return path

@@ -55,7 +55,7 @@ def measure(args: argparse.Namespace) -> None:
     if args.hf_vocab:
         import tempfile
 
-        from marin_rl_core.testing import write_tiny_hf_checkpoint
+        from marin_rl_core.tiny_checkpoints import write_tiny_hf_checkpoint
 
         path = write_tiny_hf_checkpoint(
             tempfile.mkdtemp(prefix="marinrl-bench-"),
