@@ -73,22 +73,20 @@ def pytest_configure(config: pytest.Config) -> None:
         cache = tempfile.mkdtemp(prefix="marinrl-test-cache-")
         os.environ["MARINRL_CACHE_DIR"] = cache
         config.add_cleanup(lambda: shutil.rmtree(cache, ignore_errors=True))
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        # xdist's controller runs no test: it only hands its environment to the workers (they
-        # take torch back for themselves), so it imports neither JAX nor transformers (2 CPU-s
-        # at the start, beside both workers' collection).
-        if "USE_TORCH" not in os.environ:
-            os.environ["USE_TORCH"] = "0"
-            os.environ[_NO_TORCH_FOR_CHILDREN] = "1"
-        return
-    from marin_rl_core.job import compile_cache
+    # xdist's controller runs no test: it only hands its environment to the workers (they take
+    # torch back for themselves), so it imports neither JAX nor transformers (2 CPU-s at the
+    # start, beside both workers' collection).
+    runs_tests = not getattr(config.option, "numprocesses", None) or hasattr(config, "workerinput")
+    if runs_tests:
+        from marin_rl_core.job import compile_cache
 
-    compile_cache.enable("auto")
+        compile_cache.enable("auto")
     if os.environ.get(_NO_TORCH_FOR_CHILDREN) == "1":  # an xdist worker: a pytest process
         os.environ.pop("USE_TORCH", None)
     elif "USE_TORCH" in os.environ:
         return  # the user's own setting, kept
-    import transformers.utils.import_utils  # noqa: F401  (decides that torch is here, for this process)
+    if runs_tests:
+        import transformers.utils.import_utils  # noqa: F401  (decides that torch is here, for this process)
 
     os.environ["USE_TORCH"] = "0"
     os.environ[_NO_TORCH_FOR_CHILDREN] = "1"

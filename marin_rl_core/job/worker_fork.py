@@ -36,10 +36,9 @@ driver's death (and then removes its directory itself).
 
 The server imports, and has one Python thread when it forks (no Python lock can be held by a
 thread the child does not have; checked: it refuses to serve otherwise; its native threads:
-:func:`_fork`). JAX's backends are not
-initialised in it: each worker makes its own. Nor is Ray's C++ id generator seeded in it
-(:func:`_ray_random_untouched`, checked by :func:`_forks_draw_their_own_ids`): each worker seeds
-its own.
+:func:`_fork`). JAX's backends are not initialised in it: each worker makes its own. Nor is
+Ray's C++ id generator seeded in it (:func:`_ray_random_untouched`, checked by
+:func:`_forks_draw_their_own_ids`): each worker seeds its own.
 """
 
 from __future__ import annotations
