@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from marin_rl_core.job import fork_root
 from marin_rl_core.job.local_ray import SETUP_WORKER, WorkerForkServer
 from marin_rl_core.job.worker_fork import ENV
 
@@ -51,6 +52,26 @@ def workers_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, preload
     monkeypatch.setenv("MARINRL_T_OUT", str(tmp_path / "out.json"))
     monkeypatch.setenv("MARINRL_T_VAR", "x")
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)  # (a ray.init in this process sets it)
+
+
+@pytest.fixture(autouse=True)
+def own_roots(monkeypatch: pytest.MonkeyPatch):
+    """The roots this test's servers are forked from are its own (not those of the jobs other
+    tests run in this process), and gone after it."""
+    roots: dict = {}
+    monkeypatch.setattr(fork_root, "ROOTS", roots)
+    started: list = []
+    real_init = fork_root.ForkRoot.__init__
+
+    def init(self, *args):
+        real_init(self, *args)
+        started.append(self)
+
+    monkeypatch.setattr(fork_root.ForkRoot, "__init__", init)
+    yield started
+    for root in started:
+        root.close()
+        root.process.wait(timeout=10)
 
 
 @pytest.fixture
@@ -204,8 +225,8 @@ def test_without_a_server_the_worker_is_execd(tmp_path, monkeypatch):
 
 
 def test_the_server_goes_with_its_driver(tmp_path, monkeypatch):
-    """The driver gone (here a process standing in for it, killed), the server exits and
-    removes its directory."""
+    """The driver gone (here a process standing in for it, killed), the job's server exits and
+    removes its directory, and the root it was forked from goes too."""
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     workers_environment(tmp_path, monkeypatch, "json")
     forks = WorkerForkServer()
@@ -216,12 +237,14 @@ def test_the_server_goes_with_its_driver(tmp_path, monkeypatch):
         proc.communicate(timeout=60)
         assert proc.returncode == 7 and reported(tmp_path)["forked"]
         server = int((directory / "pid").read_text())
+        root = forks._root
         driver.kill()
         driver.wait()
         deadline = time.monotonic() + 15
         while (alive(server) or directory.exists()) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not alive(server) and not directory.exists()
+        assert root.process.wait(timeout=15) == 0 and not os.path.exists(root.directory)
     finally:
         forks.stop()
 
@@ -264,8 +287,9 @@ def test_ray_is_imported_with_what_the_raylet_gives_its_workers(tmp_path, monkey
 
 
 def test_a_local_ray_that_fails_to_start_leaves_no_fork_server(tmp_path, monkeypatch):
-    """``ray.init`` failing (here made to): the fork server started before it is stopped, its
-    directory removed and ``MARINRL_WORKER_FORK`` unset, before the error reaches the caller."""
+    """``ray.init`` failing (here made to): the job's fork server started before it is
+    stopped, its directory removed and ``MARINRL_WORKER_FORK`` unset, before the error reaches
+    the caller."""
     from marin_rl_core.job.local_ray import LocalRay
 
     workers_environment(tmp_path, monkeypatch, "json")
@@ -280,11 +304,66 @@ def test_a_local_ray_that_fails_to_start_leaves_no_fork_server(tmp_path, monkeyp
 
     def start(self, owner=None):
         real_start(self, owner)
-        started.append((self.directory, self._process))
+        deadline = time.monotonic() + 30  # (until the root has forked the job's server)
+        while self.server_pid() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        started.append((self.directory, self.server_pid()))
 
     monkeypatch.setattr(WorkerForkServer, "start", start)
     with pytest.raises(RuntimeError, match="ray.init failed"):
         local.start(1)
-    ((directory, process),) = started
-    assert process.poll() is not None, "the fork server still runs"
+    ((directory, pid),) = started
+    assert pid and not alive(pid), "the job's fork server still runs"
     assert not os.path.exists(directory) and ENV not in os.environ
+
+
+def server_parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_later_jobs_servers_are_forked_from_one_root_while_the_environment_stays(
+    tmp_path, monkeypatch, own_roots
+):
+    """A process's jobs one after another (a notebook, the test suite): the second job's server
+    is forked from the root that imported for the first (no imports again), and serves its
+    workers as the first did. A job in another environment gets a root of its own; the old
+    root, with no job left, exits."""
+
+    def job(expected_var: str) -> tuple[WorkerForkServer, int]:
+        forks = WorkerForkServer()
+        forks.start()
+        try:
+            proc = start(tmp_path, "exit")
+            proc.communicate(timeout=60)
+            got = reported(tmp_path)
+            (tmp_path / "out.json").unlink()
+            assert proc.returncode == 7 and got["var"] == expected_var
+            pid = forks.server_pid()
+            assert got["forked"] == str(pid), "not forked from the job's server"
+            return forks, server_parent(pid)
+        finally:
+            forks.stop()
+
+    workers_environment(tmp_path, monkeypatch, "json")
+    first, first_parent = job("x")
+    second, second_parent = job("x")
+    (root,) = own_roots
+    assert first_parent == second_parent == root.process.pid
+    monkeypatch.setenv("MARINRL_T_VAR", "z")
+    third, third_parent = job("z")
+    assert len(own_roots) == 2 and third_parent == own_roots[1].process.pid
+    assert root.process.wait(timeout=10) == 0 and not os.path.exists(root.directory)
+
+
+def test_a_root_with_no_job_exits_after_a_while(tmp_path, monkeypatch, own_roots):
+    workers_environment(tmp_path, monkeypatch, "json")
+    monkeypatch.setattr(fork_root, "ROOT_IDLE_S", 0.5)
+    forks = WorkerForkServer()
+    forks.start()
+    deadline = time.monotonic() + 30
+    while forks.server_pid() is None and time.monotonic() < deadline:  # the root has imported
+        time.sleep(0.01)
+    forks.stop()
+    (root,) = own_roots
+    assert root.process.wait(timeout=15) == 0 and not os.path.exists(root.directory)

@@ -8,10 +8,14 @@ import contextlib
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from marin_rl_core.job import fork_root
 
 _UNSET: Any = object()
 
@@ -31,7 +35,6 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def handle_sigterm() -> Any:
     """Turn SIGTERM into :class:`Terminated` in the main thread; returns the undo."""
     import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
@@ -133,56 +136,91 @@ def no_token_auth_notice(record: logging.LogRecord) -> bool:
 
 class WorkerForkServer:
     """The fork server of one local Ray (:mod:`marin_rl_core.job.worker_fork`), started by its
-    driver: :meth:`start` before ``ray.init`` (the server imports while Ray starts; the raylet's
-    environment names its directory, ``MARINRL_WORKER_FORK``, and the workers' environment is
-    the driver's), :meth:`stop` after ``ray.shutdown``."""
+    driver: :meth:`start` before ``ray.init`` (the raylet's environment names its directory,
+    ``MARINRL_WORKER_FORK``, and the workers' environment is the driver's), :meth:`stop` after
+    ``ray.shutdown``. It is forked from the process's root (:class:`fork_root.ForkRoot`), started
+    anew for the first job and where the environment changed since (the new root imports while
+    Ray starts)."""
 
     def __init__(self) -> None:
         self.directory: str | None = None
-        self._process: Any = None
+        self._root: fork_root.ForkRoot | None = None
 
     def start(self, owner: int | None = None) -> None:
-        """Make the server's directory and start the server in it, in this process's
-        environment; it exits when the process ``owner`` (this one by default) does."""
-        import subprocess
+        """Make the server's directory and have a root fork the server for it, in this
+        process's environment; it exits when the process ``owner`` (this one by default)
+        does."""
+        import atexit
         import tempfile
-        import threading
 
         from marin_rl_core.job import worker_fork
 
+        owner = owner or os.getpid()
         self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
         os.environ[worker_fork.ENV] = self.directory
-        with open(os.path.join(self.directory, "server.log"), "ab") as log:
-            # A session of its own: a signal to the driver's process group is the driver's.
-            self._process = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    worker_fork.__name__,
-                    self.directory,
-                    str(owner or os.getpid()),
-                ],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
-                start_new_session=True,
-            )
-        pid_file = os.path.join(self.directory, "pid")  # the workers wait while it lives
-        with open(pid_file + ".tmp", "w") as out:
-            out.write(str(self._process.pid))
-        os.replace(pid_file + ".tmp", pid_file)
-        # Reaped as soon as it exits (a zombie would look alive to the workers waiting for it).
-        threading.Thread(target=self._process.wait, name="fork-server-reaper", daemon=True).start()
+        with fork_root.ROOTS_LOCK:
+            root = fork_root.ROOTS.get(owner)
+            pid, why = root.fork(self.directory) if root else (None, "")
+            if pid is None:
+                if root is not None:
+                    logging.getLogger(worker_fork.__name__).info(
+                        "a new root fork server for this job: %s", why
+                    )
+                    root.close()
+                if not fork_root.ROOTS:
+                    atexit.unregister(fork_root.close_roots)  # (once)
+                    atexit.register(fork_root.close_roots)
+                root = fork_root.ROOTS[owner] = fork_root.ForkRoot(owner, self.directory)
+                # The workers wait while the root lives, until it has forked the job's server
+                # (which then names itself here): written unless the root was first.
+                pid_file = os.path.join(self.directory, "pid")
+                with open(pid_file + ".root", "w") as out:
+                    out.write(str(root.process.pid))
+                with contextlib.suppress(FileExistsError):
+                    os.link(pid_file + ".root", pid_file)
+                os.unlink(pid_file + ".root")
+        self._root = root
+
+    def server_pid(self) -> int | None:
+        """The pid of the job's server (``None``: not forked yet, or no directory)."""
+        try:
+            pid = int(open(os.path.join(self.directory or "", "pid")).read())  # noqa: SIM115
+        except (OSError, ValueError):
+            return None
+        return None if self._root is not None and pid == self._root.process.pid else pid
 
     def stop(self) -> None:
         import shutil
-        import subprocess
+        import time
 
         from marin_rl_core.job import worker_fork
+        from marin_rl_core.job.ray_worker_start import alive
 
         os.environ.pop(worker_fork.ENV, None)
         if not self.directory:
             return
+        pid = self.server_pid()
+        if pid is None and self._root is not None:  # the root has not forked it yet: no use
+            with fork_root.ROOTS_LOCK:
+                if fork_root.ROOTS.get(self._root.owner) is self._root:
+                    del fork_root.ROOTS[self._root.owner]
+            self._root.close()  # (SIGTERM while it imports: it exits at once)
+            deadline = time.monotonic() + 5
+            while self._root.process.poll() is None and time.monotonic() < deadline:
+                pid = self.server_pid()  # (forked meanwhile: the root waits for it)
+                if pid is not None:
+                    break
+                time.sleep(0.01)
+            if self._root.process.poll() is not None:  # (killed while importing)
+                shutil.rmtree(self._root.directory, ignore_errors=True)
+        if pid is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 5
+            while alive(pid) and time.monotonic() < deadline:  # (its root reaps it)
+                time.sleep(0.01)
+            if alive(pid):
+                worker_fork._kill(pid)
         try:  # why a worker was not forked, or the server did not serve: in the driver's log
             said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
         except OSError:
@@ -191,14 +229,7 @@ class WorkerForkServer:
             logging.getLogger(worker_fork.__name__).info(
                 "the fork server of the local Ray: %s", said[-2000:]
             )
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                worker_fork._kill(self._process.pid)
-                self._process.wait()
-        self._process = None
+        self._root = None
         shutil.rmtree(self.directory, ignore_errors=True)
         self.directory = None
 

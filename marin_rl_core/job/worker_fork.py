@@ -6,13 +6,14 @@ On a 2-core machine a trainer or rollout worker spends ~2.5 of its ~4-7 CPU-s im
 the job's hub and rollout queue ~1 s each importing Ray and marinrl's config: a job imports the
 same modules four to six times (docs/development.md#tests).
 
-The driver starts the server (:class:`WorkerForkServer`) just before ``ray.init``, in the
-environment it starts Ray in, and the server imports JAX, transformers and the rest that does
-not import Ray (:data:`EARLY`) while Ray's processes start; Ray and what imports it
-(:data:`PRELOAD`) follow in the first worker's environment, which holds what Ray's C++ side reads
-at import (the raylet's pid, the authentication mode, the job). A job's ``ray.init`` waits for
-the first workers Ray starts to register: on a 2-core machine ~2 s when the first worker started
-the server and the server imported everything then.
+The driver has the server started (:class:`~marin_rl_core.job.local_ray.WorkerForkServer`)
+just before ``ray.init``, in the environment it starts Ray in: it is forked from the process's
+root (:mod:`marin_rl_core.job.fork_root`), which imported JAX, transformers and the rest that
+does not import Ray, once for the process's jobs. Ray and what imports it (:data:`PRELOAD`)
+follow in the job's server, in the first worker's environment, which holds what Ray's C++ side
+reads at import (the raylet's pid, the authentication mode, the job). A job's ``ray.init``
+waits for the first workers Ray starts to register: on a 2-core machine ~2 s when the first
+worker started the server and the server imported everything then.
 
 How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the raylet runs):
 
@@ -31,7 +32,7 @@ Only where forking gives the worker what ``exec`` would give it: the same Python
 command prefix or other entry point, and an environment that differs from the server's only
 in what the raylet sets for its workers (:func:`differences`). Anything else, or a server not
 there (dead, or not ready within a minute), and the set-up script ``exec``s the worker as
-before. The server exits when the driver stops the local Ray, or within a second of the
+before. A job's server exits when the driver stops the local Ray, or within a second of the
 driver's death (and then removes its directory itself).
 
 The server imports, and has one Python thread when it forks (no Python lock can be held by a
@@ -77,31 +78,19 @@ PRELOAD = (
 the raylet's pid among them, from the environment at import): what every worker of a job
 imports before it does anything."""
 
-EARLY = (
-    "numpy",
-    "jax",
-    "jax.numpy",
-    "equinox",
-    "optax",
-    "haliax",
-    "transformers",
-    "huggingface_hub",
-    "pyarrow",
-    "tensorstore",
-)
-"""What the server imports as soon as it starts, while Ray starts beside it: most of what
-:data:`PRELOAD` imports (~1.4 of its ~1.7 s), none of it Ray."""
-
-
 _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 16 << 20
 
 
-LATE_VARIABLES = frozenset({ENV, "SPT_NOENV", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"})
+LATE_VARIABLES = frozenset(
+    {ENV, "SPT_NOENV", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"}
+)
 """Variables read when used, after the imports: set by Ray (``SPT_NOENV`` at ``ray.init``, for
-setproctitle's first call), by marinrl, by a terminal library in the driver (its size, read when
-output is laid out) or by pytest (the running test, set at each phase of a test); like the
-``RAY_`` ones the raylet sets for its workers, they may differ from the server's."""
+setproctitle's first call; ``PYTHONBREAKPOINT``, read by each ``breakpoint()``, in a driver's
+environment from its first ``ray.init`` on), by marinrl, by a terminal library in the driver
+(its size, read when output is laid out) or by pytest (the running test, set at each phase of a
+test); like the ``RAY_`` ones the raylet sets for its workers, they may differ from the
+server's."""
 
 
 def differences(
@@ -126,29 +115,34 @@ def _send_message(conn: socket.socket, message: dict[str, Any]) -> None:
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
+def _read_line(conn: socket.socket) -> bytes:
+    """One line from ``conn`` (its timeout bounds each read), without the newline."""
+    data = b""
+    while not data.endswith(b"\n"):
+        more = conn.recv(65536)
+        if not more:
+            break
+        data += more
+        if len(data) > _MAX_REQUEST:
+            raise ValueError("request too long")
+    return data.strip()
+
+
 # --- the server ---------------------------------------------------------------------------------
 
 
-def serve(directory: str, owner: int) -> None:
-    """Import :data:`EARLY`, listen at ``directory``'s socket, import :data:`PRELOAD` in the
+def serve(
+    directory: str, owner: int, own_env: dict[str, str], imported_env: dict[str, str]
+) -> None:
+    """One job's server (forked from the root, :func:`~marin_rl_core.job.fork_root.serve_jobs`,
+    with what it imports early imported in ``own_env``): listen at ``directory``'s socket, import :data:`PRELOAD` in the
     environment of the first worker, and fork a worker for each request until the process
     ``owner`` (the driver) exits or SIGTERM comes."""
-    path = os.path.join(directory, "socket")
-    own_env = dict(os.environ)  # what a worker's environment is compared with: before imports
-    from marin_rl_core import deferred_imports
-
-    deferred_imports.defer()  # as every job process does, before levanter is imported
     import importlib
 
-    preload = os.environ.get("MARINRL_FORK_PRELOAD")  # (tests: a server that imports little)
-    for name in () if preload else EARLY:
-        importlib.import_module(name)
-    if "ray._raylet" in sys.modules:
-        raise SystemExit("Ray was imported before the raylet's environment was known: not forking")
-    # What the imports set (TF_CPP_MIN_LOG_LEVEL, TRANSFORMERS_VERBOSITY, ...): a worker that
-    # imported them itself would have them too.
-    imported_env = {k: v for k, v in os.environ.items() if own_env.get(k) != v}
-
+    path = os.path.join(directory, "socket")
+    preload = os.environ.get("MARINRL_FORK_PRELOAD")
+    imported_env = dict(imported_env)
     imported = False
 
     def import_the_rest(first_env: dict[str, str]) -> None:
@@ -481,14 +475,3 @@ def _reap(
             pass
         conn.close()
     return reaped
-
-
-if __name__ == "__main__":
-    try:
-        serve(sys.argv[1], int(sys.argv[2]))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    # Nothing is left to clean up: without the interpreter's teardown of what it imported
-    # (~0.6 s on a 2-core machine, ~2 s while the job's Ray shuts down beside it).
-    os._exit(0)
