@@ -20,14 +20,13 @@ import contextlib
 import json
 import os
 import selectors
-import signal
 import socket
 import sys
 import threading
-from typing import Any
 
 from marin_rl_core.job.ray_worker_start import alive
 from marin_rl_core.job.worker_fork import (
+    Wakeup,
     _fork,
     _kill,
     _read_line,
@@ -87,7 +86,6 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
     cwd = os.getcwd()
     jobs: set[int] = set()  # the pids of the jobs' servers it forked
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    wake_r, wake_w = os.pipe()
     selector = selectors.DefaultSelector()
 
     def fork_job(directory: str, conn: socket.socket | None = None) -> int:
@@ -99,15 +97,11 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
         if pid == 0:
             code = 1
             try:
-                signal.set_wakeup_fd(-1)
+                wake.close()
                 if conn is not None:
                     conn.close()
                 selector.close()
                 listener.close()
-                os.close(wake_r)
-                os.close(wake_w)
-                for signum in (signal.SIGTERM, signal.SIGCHLD):
-                    signal.signal(signum, signal.SIG_DFL)
                 log = os.open(
                     os.path.join(directory, "server.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND
                 )
@@ -162,19 +156,8 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
 
     listener.bind(os.path.join(root, "socket.tmp"))
     listener.listen(16)
-    for fd in (wake_r, wake_w):
-        os.set_blocking(fd, False)
-    signal.set_wakeup_fd(wake_w)
-    stop = False
-
-    def on_term(signum: int, frame: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
     selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_r, selectors.EVENT_READ, "wake")
+    wake = Wakeup(selector)
     fork_job(first)
     # The socket appears once the first job's server is forked: later jobs ask here.
     os.replace(os.path.join(root, "socket.tmp"), os.path.join(root, "socket"))
@@ -183,21 +166,18 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
     idle_since = None
     try:
         while alive(owner):
-            if stop and listener.fileno() >= 0:  # no more jobs; the ones it has go on
+            if wake.stopped and listener.fileno() >= 0:  # no more jobs; the ones it has go on
                 selector.unregister(listener)
                 listener.close()
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(root, "socket"))
-            if stop and not jobs:
+            if wake.stopped and not jobs:
                 break
             for key, _ in selector.select(timeout=1.0):
                 if key.data == "accept":
                     answer(listener.accept()[0])
                 else:
-                    try:
-                        os.read(wake_r, 4096)
-                    except BlockingIOError:
-                        pass
+                    wake.drain()
             while jobs:  # the jobs' servers that exited (each reaps its own workers)
                 try:
                     pid, _ = os.waitpid(-1, os.WNOHANG)

@@ -167,26 +167,14 @@ def serve(
     listener.bind(path + ".tmp")
     os.replace(path + ".tmp", path)  # the socket appears once the server takes requests
     listener.listen(64)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_w, False)
-    os.set_blocking(wake_r, False)
-    signal.set_wakeup_fd(wake_w)
-    stop = False
-
-    def on_term(signum: int, frame: Any) -> None:
-        nonlocal stop
-        stop = True
-
-    signal.signal(signal.SIGTERM, on_term)
-    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(wake_r, selectors.EVENT_READ, "wake")
+    wake = Wakeup(selector)
     children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
     reached: dict[int, int] = {}  # worker pid -> a pipe it writes to once in Ray's worker loop
     stopped_forking = ""  # why the server forks no more workers
     try:
-        while not stop and alive(owner):
+        while not wake.stopped and alive(owner):
             for key, _ in selector.select(timeout=1.0):
                 if key.data == "accept":
                     conn, _ = listener.accept()
@@ -197,7 +185,7 @@ def serve(
                         import_the_rest,
                         stopped_forking,
                         reached,
-                        (listener, wake_r, wake_w, selector, children, reached),
+                        (listener, wake, selector, children, reached),
                     )
                     if pid:
                         children[pid] = conn
@@ -205,10 +193,7 @@ def serve(
                     else:
                         conn.close()
                 elif key.data == "wake":
-                    try:
-                        os.read(wake_r, 4096)
-                    except BlockingIOError:
-                        pass
+                    wake.drain()
                 else:  # a set-up script's connection: it died (nothing else is sent)
                     pid = key.data
                     selector.unregister(key.fileobj)
@@ -229,7 +214,7 @@ def serve(
     finally:
         for pid in children:
             _kill(pid)
-        if stop:  # the driver's stop: it removes the directory
+        if wake.stopped:  # the driver's stop: it removes the directory
             try:
                 os.unlink(path)
             except OSError:
@@ -238,6 +223,38 @@ def serve(
             import shutil
 
             shutil.rmtree(directory, ignore_errors=True)
+
+
+class Wakeup:
+    """SIGTERM and SIGCHLD wake a server's ``selector`` loop (through a pipe registered with it,
+    data ``"wake"``): :attr:`stopped` once SIGTERM came."""
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self.read, self.write = os.pipe()
+        for fd in (self.read, self.write):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.write)
+        self.stopped = False
+        signal.signal(signal.SIGTERM, self._on_term)
+        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
+        selector.register(self.read, selectors.EVENT_READ, "wake")
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        self.stopped = True
+
+    def drain(self) -> None:
+        try:
+            os.read(self.read, 4096)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        """In a forked child: the signals back to their defaults, the pipe closed."""
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        os.close(self.read)
+        os.close(self.write)
 
 
 def _start(
@@ -307,20 +324,17 @@ def _start(
 def _become_worker(argv, env, cwd, fds, conn, close_in_child, loop_w) -> None:  # noqa: ANN001
     code = 1
     try:
-        listener, wake_r, wake_w, selector, children, reached = close_in_child
+        listener, wake, selector, children, reached = close_in_child
         for fd in reached.values():
             os.close(fd)
         _say_when_in_the_worker_loop(loop_w)
-        signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGTERM, signal.SIGCHLD, signal.SIGINT):
-            signal.signal(signum, signal.SIG_DFL)
+        wake.close()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         selector.close()
         listener.close()
         for other in children.values():
             other.close()
         conn.close()
-        os.close(wake_r)
-        os.close(wake_w)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
