@@ -367,3 +367,42 @@ def test_a_root_with_no_job_exits_after_a_while(tmp_path, monkeypatch, own_roots
     forks.stop()
     (root,) = own_roots
     assert root.process.wait(timeout=15) == 0 and not os.path.exists(root.directory)
+
+
+CHILD_JOB = """
+import json, subprocess, sys
+from marin_rl_core.job import fork_root
+from marin_rl_core.job.local_ray import SETUP_WORKER, WorkerForkServer
+forks = WorkerForkServer()
+forks.start()
+server = forks.server_pid()
+worker = subprocess.run([sys.executable, SETUP_WORKER, "--language=PYTHON", sys.argv[1], "exit"])
+forks.stop()
+print(json.dumps({"server": server, "own_roots": len(fork_root.ROOTS),
+                  "worker_status": worker.returncode}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_job_in_a_child_process_is_served_by_its_parents_root(tmp_path, monkeypatch, own_roots):
+    """``marinrl run`` started by a process that ran a job (a notebook, the test suite): the
+    child's job asks the parent's root for its server (``MARINRL_FORK_ROOT``), whose workers
+    it forks as for the parent's own jobs; the child starts no root of its own."""
+    workers_environment(tmp_path, monkeypatch, "json")
+    forks = WorkerForkServer()
+    forks.start()
+    deadline = time.monotonic() + 30
+    while forks.server_pid() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    forks.stop()
+    (root,) = own_roots
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD_JOB, str(script)], stdout=subprocess.PIPE, text=True
+    )
+    out, _ = child.communicate(timeout=120)
+    got = json.loads(out.splitlines()[-1])
+    assert child.returncode == 0 and got["own_roots"] == 0 and got["worker_status"] == 7
+    assert reported(tmp_path)["forked"] == str(got["server"])
+    assert not alive(got["server"]), "the child's job server outlived its job"

@@ -9,9 +9,12 @@ suite's): each asks it (:meth:`ForkRoot.fork`) for a server of its own, forked w
 :data:`EARLY` imported, where the job's environment and directory are the root's (~2 CPU-s and
 ~1.5 s of a tiny job spared on a 2-core machine). A job in another environment (a variable
 those imports could read set since: :func:`~marin_rl_core.job.worker_fork.differences`) starts
-a root of its own; the old one takes no more jobs and exits once its jobs' servers have. A root
-exits with its driver, or after :data:`ROOT_IDLE_S` without a job; each job's server goes when
-its driver stops the job's Ray, or dies.
+a root of its own; the old one takes no more jobs and exits once its jobs' servers have. The
+processes a driver starts find its root in their environment
+(:data:`~marin_rl_core.job.worker_fork.ROOT_ENV`): their jobs (``marinrl run`` from a notebook,
+the test suite's subprocess jobs) ask it first, on the same terms. A root exits with its
+driver, or after :data:`ROOT_IDLE_S` without a job; each job's server goes when its own driver
+stops the job's Ray, or dies.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import threading
 
 from marin_rl_core.job.ray_worker_start import alive
 from marin_rl_core.job.worker_fork import (
+    ROOT_ENV,
     Wakeup,
     _fork,
     _kill,
@@ -88,9 +92,10 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     selector = selectors.DefaultSelector()
 
-    def fork_job(directory: str, conn: socket.socket | None = None) -> int:
-        """Fork ``directory``'s server (``conn``: the connection that asked for it); its pid
-        (written to the directory's ``pid`` file, where the job's workers look for it)."""
+    def fork_job(directory: str, conn: socket.socket | None = None, job_owner: int = owner) -> int:
+        """Fork ``directory``'s server for the driver ``job_owner`` (``conn``: the connection
+        that asked for it); its pid (written to the directory's ``pid`` file, where the job's
+        workers look for it)."""
         sys.stdout.flush()
         sys.stderr.flush()
         pid = _fork()
@@ -108,7 +113,7 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
                 os.dup2(log, 1)
                 os.dup2(log, 2)
                 os.close(log)
-                serve(directory, owner, own_env, imported_env)
+                serve(directory, job_owner, own_env, imported_env)
                 code = 0
             except SystemExit as exc:
                 print(exc, file=sys.stderr)
@@ -137,17 +142,22 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
         try:
             request = json.loads(_read_line(conn))
             directory, env = request["directory"], request["env"]
+            job_owner = int(request["owner"])
             differ = differences(env, own_env, imported_env)
             refused = (
                 f"the job's environment differs in {differ}"
                 if differ
+                else f"the job's Python is {request['python']}, the root's {sys.executable}"
+                if request["python"] != sys.executable
                 else f"the job's directory is {request['cwd']}, the root's {cwd}"
                 if request["cwd"] != cwd
                 else f"no directory {directory}"
                 if not os.path.isdir(directory)
                 else ""
             )
-            reply = {"refused": refused} if refused else {"pid": fork_job(directory, conn)}
+            reply = (
+                {"refused": refused} if refused else {"pid": fork_job(directory, conn, job_owner)}
+            )
             _send_message(conn, reply)
         except (OSError, ValueError, KeyError, TypeError):
             pass
@@ -232,36 +242,50 @@ class ForkRoot:
             )
         # Reaped as soon as it exits (a zombie would look alive to the workers waiting for it).
         threading.Thread(target=self.process.wait, name="fork-root-reaper", daemon=True).start()
+        os.environ[ROOT_ENV] = self.directory  # (the jobs of processes this one starts ask too)
 
     def fork(self, directory: str) -> tuple[int | None, str]:
-        """Ask for the server of the job in ``directory``: ``(its pid, "")``, or ``(None, why
-        not)`` (another environment or directory than the root's, the root gone or busy)."""
-        import json
-        import socket
-
-        path = os.path.join(self.directory, "socket")
+        """Ask for the server of the job in ``directory`` (:func:`ask`)."""
         if self.process.poll() is not None:
             return None, f"the root exited with status {self.process.returncode}"
-        if not os.path.exists(path):
-            return None, "the root is still importing"
-        request = {"directory": directory, "env": dict(os.environ), "cwd": os.getcwd()}
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-                conn.settimeout(10.0)
-                conn.connect(path)
-                conn.sendall((json.dumps(request) + "\n").encode())
-                answer = json.loads(_read_line(conn) or b"{}")
-        except (OSError, ValueError) as exc:
-            return None, f"asking the root failed ({exc})"
-        pid = answer.get("pid")
-        if isinstance(pid, int) and pid > 0:
-            return pid, ""
-        return None, str(answer.get("refused") or "the root did not answer")
+        return ask(self.directory, directory, self.owner)
 
     def close(self) -> None:
         """It takes no more jobs, and exits once the servers it forked have."""
+        if os.environ.get(ROOT_ENV) == self.directory:
+            del os.environ[ROOT_ENV]
         if self.process.poll() is None:
             self.process.terminate()
+
+
+def ask(root: str, directory: str, owner: int) -> tuple[int | None, str]:
+    """Ask the root at ``root`` for the server of the job in ``directory``, whose driver is the
+    process ``owner``: ``(its pid, "")``, or ``(None, why not)`` (another environment, Python or
+    directory than the root's, the root gone or still importing)."""
+    import json
+
+    path = os.path.join(root, "socket")
+    if not os.path.exists(path):
+        return None, f"no root serving at {root} (gone, or still importing)"
+    request = {
+        "directory": directory,
+        "owner": owner,
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "python": sys.executable,
+    }
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(10.0)
+            conn.connect(path)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            answer = json.loads(_read_line(conn) or b"{}")
+    except (OSError, ValueError) as exc:
+        return None, f"asking the root failed ({exc})"
+    pid = answer.get("pid")
+    if isinstance(pid, int) and pid > 0:
+        return pid, ""
+    return None, str(answer.get("refused") or "the root did not answer")
 
 
 ROOTS: dict[int, ForkRoot] = {}  # owner pid -> its root (one environment at a time)

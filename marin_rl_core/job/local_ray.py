@@ -161,11 +161,18 @@ class WorkerForkServer:
         with fork_root.ROOTS_LOCK:
             root = fork_root.ROOTS.get(owner)
             pid, why = root.fork(self.directory) if root else (None, "")
+            inherited = os.environ.get(worker_fork.ROOT_ENV)
+            if pid is None and root is None and inherited:  # a parent process's root
+                pid, why = fork_root.ask(inherited, self.directory, owner)
+                if pid is not None:
+                    self._root = None  # (its server: named in the directory's pid file)
+                    return
             if pid is None:
-                if root is not None:
+                if why:
                     logging.getLogger(worker_fork.__name__).info(
                         "a new root fork server for this job: %s", why
                     )
+                if root is not None:
                     root.close()
                 if not fork_root.ROOTS:
                     atexit.unregister(fork_root.close_roots)  # (once)

@@ -82,8 +82,13 @@ _HEADER = struct.Struct("!I")
 _MAX_REQUEST = 16 << 20
 
 
+ROOT_ENV = "MARINRL_FORK_ROOT"
+"""The directory of the root a driver started (:mod:`marin_rl_core.job.fork_root`), in its
+environment: the jobs of processes it starts (``marinrl run`` from a notebook, the test
+suite's) ask that root for their servers first."""
+
 LATE_VARIABLES = frozenset(
-    {ENV, "SPT_NOENV", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"}
+    {ENV, ROOT_ENV, "SPT_NOENV", "PYTHONBREAKPOINT", "COLUMNS", "LINES", "PYTEST_CURRENT_TEST"}
 )
 """Variables read when used, after the imports: set by Ray (``SPT_NOENV`` at ``ray.init``, for
 setproctitle's first call; ``PYTHONBREAKPOINT``, read by each ``breakpoint()``, in a driver's
