@@ -212,9 +212,8 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
 class ForkRoot:
     """The root of this process's jobs' fork servers (:func:`serve_jobs`), seen from the
     driver: started with a job's directory, whose server it forks once it has imported
-    :data:`EARLY`; later jobs of the process in the same
-    environment ask it for theirs (:meth:`fork`), and are spared those imports (~2.3 CPU-s a
-    job on a 2-core machine: a notebook's jobs, the test suite's)."""
+    :data:`EARLY`; later jobs of the process (and of processes it starts) in the same
+    environment ask it for theirs (:meth:`fork`) and are spared those imports."""
 
     def __init__(self, owner: int, first: str) -> None:
         import subprocess
@@ -252,6 +251,9 @@ class ForkRoot:
 
     def close(self) -> None:
         """It takes no more jobs, and exits once the servers it forked have."""
+        with ROOTS_LOCK:
+            if ROOTS.get(self.owner) is self:
+                del ROOTS[self.owner]
         if os.environ.get(ROOT_ENV) == self.directory:
             del os.environ[ROOT_ENV]
         if self.process.poll() is None:
@@ -289,13 +291,48 @@ def ask(root: str, directory: str, owner: int) -> tuple[int | None, str]:
 
 
 ROOTS: dict[int, ForkRoot] = {}  # owner pid -> its root (one environment at a time)
-ROOTS_LOCK = threading.Lock()
+ROOTS_LOCK = threading.RLock()
 
 
 def close_roots() -> None:
-    for root in ROOTS.values():
+    for root in list(ROOTS.values()):
         root.close()
-    ROOTS.clear()
+
+
+def serve_job(directory: str, owner: int) -> ForkRoot | None:
+    """Have the job in ``directory``, whose driver is the process ``owner``, a server: forked
+    from ``owner``'s root where that root serves this environment, else from the root of the
+    process that started this one (:data:`ROOT_ENV`) on the same terms, else from a new root of
+    ``owner``'s, which it returns (``None``: another process's root serves the job; the
+    directory's ``pid`` file names the server, or the new root until it has forked it)."""
+    import atexit
+    import logging
+
+    with ROOTS_LOCK:  # (one root an owner, where its jobs start from several threads)
+        root = ROOTS.get(owner)
+        pid, why = root.fork(directory) if root else (None, "")
+        inherited = os.environ.get(ROOT_ENV)
+        if pid is None and root is None and inherited:
+            pid, why = ask(inherited, directory, owner)
+        if pid is not None:
+            return root
+        if why:
+            logging.getLogger(__name__).info("a new root fork server for this job: %s", why)
+        if root is not None:
+            root.close()
+        if not ROOTS:
+            atexit.unregister(close_roots)  # (once)
+            atexit.register(close_roots)
+        root = ROOTS[owner] = ForkRoot(owner, directory)
+        # The workers wait while the root lives, until it has forked the job's server (which then
+        # names itself here): written unless the root was first.
+        pid_file = os.path.join(directory, "pid")
+        with open(pid_file + ".root", "w") as out:
+            out.write(str(root.process.pid))
+        with contextlib.suppress(FileExistsError):
+            os.link(pid_file + ".root", pid_file)
+        os.unlink(pid_file + ".root")
+        return root
 
 
 if __name__ == "__main__":

@@ -34,8 +34,6 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 def handle_sigterm() -> Any:
     """Turn SIGTERM into :class:`Terminated` in the main thread; returns the undo."""
-    import signal
-
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
@@ -150,7 +148,6 @@ class WorkerForkServer:
         """Make the server's directory and have a root fork the server for it, in this
         process's environment; it exits when the process ``owner`` (this one by default)
         does."""
-        import atexit
         import tempfile
 
         from marin_rl_core.job import worker_fork
@@ -158,35 +155,7 @@ class WorkerForkServer:
         owner = owner or os.getpid()
         self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
         os.environ[worker_fork.ENV] = self.directory
-        with fork_root.ROOTS_LOCK:
-            root = fork_root.ROOTS.get(owner)
-            pid, why = root.fork(self.directory) if root else (None, "")
-            inherited = os.environ.get(worker_fork.ROOT_ENV)
-            if pid is None and root is None and inherited:  # a parent process's root
-                pid, why = fork_root.ask(inherited, self.directory, owner)
-                if pid is not None:
-                    self._root = None  # (its server: named in the directory's pid file)
-                    return
-            if pid is None:
-                if why:
-                    logging.getLogger(worker_fork.__name__).info(
-                        "a new root fork server for this job: %s", why
-                    )
-                if root is not None:
-                    root.close()
-                if not fork_root.ROOTS:
-                    atexit.unregister(fork_root.close_roots)  # (once)
-                    atexit.register(fork_root.close_roots)
-                root = fork_root.ROOTS[owner] = fork_root.ForkRoot(owner, self.directory)
-                # The workers wait while the root lives, until it has forked the job's server
-                # (which then names itself here): written unless the root was first.
-                pid_file = os.path.join(self.directory, "pid")
-                with open(pid_file + ".root", "w") as out:
-                    out.write(str(root.process.pid))
-                with contextlib.suppress(FileExistsError):
-                    os.link(pid_file + ".root", pid_file)
-                os.unlink(pid_file + ".root")
-        self._root = root
+        self._root = fork_root.serve_job(self.directory, owner)
 
     def server_pid(self) -> int | None:
         """The pid of the job's server (``None``: not forked yet, or no directory)."""
@@ -208,9 +177,6 @@ class WorkerForkServer:
             return
         pid = self.server_pid()
         if pid is None and self._root is not None:  # the root has not forked it yet: no use
-            with fork_root.ROOTS_LOCK:
-                if fork_root.ROOTS.get(self._root.owner) is self._root:
-                    del fork_root.ROOTS[self._root.owner]
             self._root.close()  # (SIGTERM while it imports: it exits at once)
             deadline = time.monotonic() + 5
             while self._root.process.poll() is None and time.monotonic() < deadline:
