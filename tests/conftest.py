@@ -101,9 +101,9 @@ SLOWEST_FILES_FIRST = (
     "test_weight_transfer.py",
 )  # fmt: skip
 """The test files that take longest (each 20-220 s on the 2-core machine, 2026-12-01), longest
-first; the others follow in their usual order. ``nox -s tests`` hands files to its two xdist
+first; the others follow in their usual order. ``nox -s tests`` hands files to its xdist
 workers in collection order (``--no-loadscope-reorder``; xdist's own order is by number of
-tests, which put the files of few long jobs last): long files first, so neither worker is left
+tests, which put the files of few long jobs last): long files first, so no worker is left
 running one long file alone at the end (docs/development.md#tests)."""
 
 
