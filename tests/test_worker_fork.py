@@ -88,6 +88,23 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not os.path.exists(forks.directory or "/nonexistent")
 
 
+def wait_until_forked(forks: WorkerForkServer) -> int | None:
+    """The job's server pid, once its root has imported and forked it (30 s at most)."""
+    deadline = time.monotonic() + 30
+    while forks.server_pid() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return forks.server_pid()
+
+
+def a_job_and_its_end() -> None:
+    """A job's fork server started (its root with it, the first time) and stopped, once the
+    root has forked it."""
+    forks = WorkerForkServer()
+    forks.start()
+    wait_until_forked(forks)
+    forks.stop()
+
+
 def start(tmp_path: Path, mode: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """The worker script through the set-up script, as the raylet starts it."""
     script = tmp_path / "worker.py"
@@ -304,10 +321,7 @@ def test_a_local_ray_that_fails_to_start_leaves_no_fork_server(tmp_path, monkeyp
 
     def start(self, owner=None):
         real_start(self, owner)
-        deadline = time.monotonic() + 30  # (until the root has forked the job's server)
-        while self.server_pid() is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        started.append((self.directory, self.server_pid()))
+        started.append((self.directory, wait_until_forked(self)))
 
     monkeypatch.setattr(WorkerForkServer, "start", start)
     with pytest.raises(RuntimeError, match="ray.init failed"):
@@ -359,12 +373,7 @@ def test_later_jobs_servers_are_forked_from_one_root_while_the_environment_stays
 def test_a_root_with_no_job_exits_after_a_while(tmp_path, monkeypatch, own_roots):
     workers_environment(tmp_path, monkeypatch, "json")
     monkeypatch.setattr(fork_root, "ROOT_IDLE_S", 0.5)
-    forks = WorkerForkServer()
-    forks.start()
-    deadline = time.monotonic() + 30
-    while forks.server_pid() is None and time.monotonic() < deadline:  # the root has imported
-        time.sleep(0.01)
-    forks.stop()
+    a_job_and_its_end()
     (root,) = own_roots
     assert root.process.wait(timeout=15) == 0 and not os.path.exists(root.directory)
 
@@ -389,12 +398,7 @@ def test_a_job_in_a_child_process_is_served_by_its_parents_root(tmp_path, monkey
     child's job asks the parent's root for its server (``MARINRL_FORK_ROOT``), whose workers
     it forks as for the parent's own jobs; the child starts no root of its own."""
     workers_environment(tmp_path, monkeypatch, "json")
-    forks = WorkerForkServer()
-    forks.start()
-    deadline = time.monotonic() + 30
-    while forks.server_pid() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    forks.stop()
+    a_job_and_its_end()
     (root,) = own_roots
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -406,3 +410,24 @@ def test_a_job_in_a_child_process_is_served_by_its_parents_root(tmp_path, monkey
     assert child.returncode == 0 and got["own_roots"] == 0 and got["worker_status"] == 7
     assert reported(tmp_path)["forked"] == str(got["server"])
     assert not alive(got["server"]), "the child's job server outlived its job"
+
+
+def test_a_job_after_its_root_was_killed_gets_a_new_one(tmp_path, monkeypatch, own_roots):
+    """The root killed (SIGKILL, OOM) between two jobs: the next job starts a new root, whose
+    server forks its workers, and the dead root's directory is removed."""
+    workers_environment(tmp_path, monkeypatch, "json")
+    a_job_and_its_end()
+    (dead,) = own_roots
+    dead.process.kill()
+    dead.process.wait(timeout=10)
+    second = WorkerForkServer()
+    second.start()
+    try:
+        proc = start(tmp_path, "exit")
+        proc.communicate(timeout=60)
+        assert proc.returncode == 7 and reported(tmp_path)["forked"] == str(second.server_pid())
+    finally:
+        second.stop()
+    assert len(own_roots) == 2 and not os.path.exists(dead.directory)
+    said = (Path(own_roots[1].directory) / "root.log").read_text()
+    assert said == "", said  # (nothing to say: no warning of a module imported twice either)

@@ -245,7 +245,10 @@ class ForkRoot:
 
     def fork(self, directory: str) -> tuple[int | None, str]:
         """Ask for the server of the job in ``directory`` (:func:`ask`)."""
-        if self.process.poll() is not None:
+        if self.process.poll() is not None:  # (killed: nobody else removes its directory)
+            import shutil
+
+            shutil.rmtree(self.directory, ignore_errors=True)
             return None, f"the root exited with status {self.process.returncode}"
         return ask(self.directory, directory, self.owner)
 

@@ -13,9 +13,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from marin_rl_core.job import fork_root
+if TYPE_CHECKING:  # (imported when used: `python -m` runs the root from this package)
+    from marin_rl_core.job import fork_root
 
 _UNSET: Any = object()
 
@@ -150,7 +151,7 @@ class WorkerForkServer:
         does."""
         import tempfile
 
-        from marin_rl_core.job import worker_fork
+        from marin_rl_core.job import fork_root, worker_fork
 
         owner = owner or os.getpid()
         self.directory = tempfile.mkdtemp(prefix="marinrl-fork-")  # only this user enters it
