@@ -19,8 +19,8 @@ How a worker starts (:mod:`marin_rl_core.job.ray_worker_start` is what the rayle
 
 1. The set-up script connects to this server's Unix socket (in ``MARINRL_WORKER_FORK``, a
    directory only this user can enter, which the driver made; waiting while the server
-   imports what it imports first) and sends the worker's command line, environment and directory, with its standard
-   input, output and error (``SCM_RIGHTS``).
+   imports what it imports first) and sends the worker's command line, environment and
+   directory, with its standard input, output and error (``SCM_RIGHTS``).
 2. The server forks; the child takes those, then runs Ray's ``default_worker.py`` as
    ``__main__`` with the modules already imported. The server answers the child's pid.
 3. The set-up script stays the raylet's child for the worker's life, as the process the
@@ -139,10 +139,11 @@ def _read_line(conn: socket.socket) -> bytes:
 def serve(
     directory: str, owner: int, own_env: dict[str, str], imported_env: dict[str, str]
 ) -> None:
-    """One job's server (forked from the root, :func:`~marin_rl_core.job.fork_root.serve_jobs`,
-    with what it imports early imported in ``own_env``): listen at ``directory``'s socket, import :data:`PRELOAD` in the
-    environment of the first worker, and fork a worker for each request until the process
-    ``owner`` (the driver) exits or SIGTERM comes."""
+    """One job's server, forked from the root (:func:`~marin_rl_core.job.fork_root.serve_jobs`)
+    with what the root imports early imported in ``own_env`` (``imported_env``: what those
+    imports set): listen at ``directory``'s socket, import :data:`PRELOAD` in the environment
+    of the first worker, and fork a worker for each request until the process ``owner`` (the
+    job's driver) exits or SIGTERM comes."""
     import importlib
 
     path = os.path.join(directory, "socket")
