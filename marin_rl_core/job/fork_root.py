@@ -26,11 +26,12 @@ import selectors
 import socket
 import sys
 import threading
+import time
 
+from marin_rl_core.job.forking import Wakeup, exit_when_done
 from marin_rl_core.job.ray_worker_start import alive
 from marin_rl_core.job.worker_fork import (
     ROOT_ENV,
-    Wakeup,
     _fork,
     _kill,
     _read_line,
@@ -100,8 +101,8 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
         sys.stderr.flush()
         pid = _fork()
         if pid == 0:
-            code = 1
-            try:
+
+            def become_the_jobs_server() -> None:
                 wake.close()
                 if conn is not None:
                     conn.close()
@@ -114,19 +115,8 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
                 os.dup2(log, 2)
                 os.close(log)
                 serve(directory, job_owner, own_env, imported_env)
-                code = 0
-            except SystemExit as exc:
-                print(exc, file=sys.stderr)
-            except BaseException:  # noqa: BLE001 - said in the job's server.log
-                import traceback
 
-                traceback.print_exc()
-            finally:
-                try:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                finally:
-                    os._exit(code)
+            exit_when_done(become_the_jobs_server)  # (its errors in the job's server.log)
         jobs.add(pid)
         pid_file = os.path.join(directory, "pid")
         try:
@@ -171,8 +161,6 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
     fork_job(first)
     # The socket appears once the first job's server is forked: later jobs ask here.
     os.replace(os.path.join(root, "socket.tmp"), os.path.join(root, "socket"))
-    import time
-
     idle_since = None
     try:
         while alive(owner):

@@ -57,6 +57,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from marin_rl_core.job.forking import Wakeup, exit_when_done
 from marin_rl_core.job.ray_worker_start import alive
 
 FORKED_FROM = "MARINRL_FORKED_FROM"
@@ -231,38 +232,6 @@ def serve(
             shutil.rmtree(directory, ignore_errors=True)
 
 
-class Wakeup:
-    """SIGTERM and SIGCHLD wake a server's ``selector`` loop (through a pipe registered with it,
-    data ``"wake"``): :attr:`stopped` once SIGTERM came."""
-
-    def __init__(self, selector: selectors.BaseSelector) -> None:
-        self.read, self.write = os.pipe()
-        for fd in (self.read, self.write):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(self.write)
-        self.stopped = False
-        signal.signal(signal.SIGTERM, self._on_term)
-        signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the loop through the pipe
-        selector.register(self.read, selectors.EVENT_READ, "wake")
-
-    def _on_term(self, signum: int, frame: Any) -> None:
-        self.stopped = True
-
-    def drain(self) -> None:
-        try:
-            os.read(self.read, 4096)
-        except BlockingIOError:
-            pass
-
-    def close(self) -> None:
-        """In a forked child: the signals back to their defaults, the pipe closed."""
-        signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(signum, signal.SIG_DFL)
-        os.close(self.read)
-        os.close(self.write)
-
-
 def _start(
     conn: socket.socket,
     own_env: dict[str, str],
@@ -311,7 +280,11 @@ def _start(
     pid = _fork()
     if pid == 0:  # the worker
         os.close(loop_r)
-        _become_worker(argv, {**env, **imported_env}, cwd, fds, conn, close_in_child, loop_w)
+        exit_when_done(
+            lambda: _become_worker(
+                argv, {**env, **imported_env}, cwd, fds, conn, close_in_child, loop_w
+            )
+        )
     os.close(loop_w)
     os.set_blocking(loop_r, False)
     reached[pid] = loop_r
@@ -328,45 +301,31 @@ def _start(
 
 
 def _become_worker(argv, env, cwd, fds, conn, close_in_child, loop_w) -> None:  # noqa: ANN001
-    code = 1
-    try:
-        listener, wake, selector, children, reached = close_in_child
-        for fd in reached.values():
-            os.close(fd)
-        _say_when_in_the_worker_loop(loop_w)
-        wake.close()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        selector.close()
-        listener.close()
-        for other in children.values():
-            other.close()
-        conn.close()
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
-        os.setpgid(0, 0)  # a group of its own, as the raylet gives each worker
-        os.chdir(cwd)
-        os.environ.clear()
-        os.environ.update(env)
-        os.environ[FORKED_FROM] = str(os.getppid())
-        sys.argv = list(argv[1:])
-        import runpy
+    """In the forked child: take the request's streams, directory and environment, then run
+    Ray's worker script as ``__main__``."""
+    listener, wake, selector, children, reached = close_in_child
+    for fd in reached.values():
+        os.close(fd)
+    _say_when_in_the_worker_loop(loop_w)
+    wake.close()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    selector.close()
+    listener.close()
+    for other in children.values():
+        other.close()
+    conn.close()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.setpgid(0, 0)  # a group of its own, as the raylet gives each worker
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ[FORKED_FROM] = str(os.getppid())
+    sys.argv = list(argv[1:])
+    import runpy
 
-        runpy.run_path(argv[1], run_name="__main__")
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    except BaseException:  # noqa: BLE001 - the worker's own failure, as Python would print it
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+    runpy.run_path(argv[1], run_name="__main__")
 
 
 def _say_when_in_the_worker_loop(loop_w: int) -> None:
