@@ -12,7 +12,6 @@ import time
 
 import attrs
 import numpy as np
-import openai
 import pytest
 from test_episodes import _manager
 
@@ -186,6 +185,8 @@ def test_an_agent_subprocess_gets_its_endpoint_from_the_environment():
 
 
 def test_chat_completions_through_the_openai_client_are_recorded_as_returned(chat):
+    import openai  # here: only this file's tests need it, not every worker's collection
+
     manager, config = chat
     replies: dict[str, list] = {}
 
@@ -262,6 +263,8 @@ def _recorded(rollouts, ids):
 
 
 def test_an_edited_history_is_a_flagged_split_and_every_sampled_token_is_trained_once(chat):
+    import openai
+
     manager, config = chat
     sampled: list[int] = []
 
@@ -341,6 +344,8 @@ def config_of(manager):
 
 
 def test_agent_failures_stay_in_their_episode_and_refusals_say_why(chat):
+    import openai
+
     manager, config = chat
     # The hang's timeout is the point, but the healthy episodes share it: generous enough for
     # them on a loaded machine (5 s counted healthy agents as timed out under load 4-18).

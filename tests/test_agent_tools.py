@@ -10,7 +10,6 @@ import json
 
 import attrs
 import numpy as np
-import openai
 import pytest
 from test_agent_endpoint import _trainer_agrees
 from test_episodes import _manager
@@ -90,6 +89,8 @@ class ToolAgentEnv:
         return [Problem(id=f"q{i}", prompt="what is 2*3?", answer="6") for i in range(n)]
 
     def run_agent(self, problem, endpoint):
+        import openai
+
         client = openai.OpenAI(base_url=endpoint.base_url, api_key=endpoint.api_key, max_retries=0)
         return calculator_agent(client, endpoint.model, QUESTION, stream=self.config.stream)
 

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import pytest
-
-pytest.importorskip("reasoning_gym")
-
-from marin_rl_plugins.reasoning_gym_env import (  # noqa: E402
+from marin_rl_plugins.reasoning_gym_env import (
     ReasoningGymEnv,
     ReasoningGymEnvConfig,
     extract_answer,
 )
 
-from marin_rl_core import build_registry  # noqa: E402
-from marin_rl_core.config import resolve_config  # noqa: E402
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reasoning_gym():
+    """Imported by the tests that run (~1 s), not by every pytest worker that collects them."""
+    pytest.importorskip("reasoning_gym")
 
 
 def test_problems_come_from_the_named_dataset_and_are_graded_by_its_scorer():

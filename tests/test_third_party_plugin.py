@@ -328,10 +328,12 @@ def test_the_unmodified_agent_script_trains_through_marinrl_run(
     )  # fmt: skip
     settings = [
         f'model.checkpoint="{checkpoint}"', "model.max_seq_len=640", "trainer.num_train_steps=2",
-        "trainer.batch_size=4", "eval.n_examples=2",
-        # 1 prompt x the lesson's 4 samples: one batch of 4 episodes (agent processes, ~1 CPU-s
-        # each), not 16; with the sampler's warm-up batch and the evals, 16 agent processes
+        "trainer.batch_size=2", "eval.n_examples=1",
+        # 1 prompt x 2 samples: a batch of 2 episodes (each an agent process, ~1.6 CPU-s), not the
+        # lesson's 16; with the sampler's warm-up batch and the two evals, 8 agent processes (17
+        # with batches of 4 and evals of 2: half this test's CPU)
         "curriculum.lessons[0].sampling.n_prompts=1",
+        "curriculum.lessons[0].sampling.n_generations_per_prompt=2",
         # On-policy: the worker samples each step's batch with the weights before it, not
         # batches ahead that nobody trains (each episode is an agent process, ~2 CPU-s)
         "replay_buffer.max_rollout_step_delay=0",

@@ -2,8 +2,9 @@
 runs as a marinrl agent env, its episodes sampled from the policy through the rollout worker's
 OpenAI endpoint and recorded token for token, its rubric the reward.
 
-The single-turn taskset is this module (verifiers imports a taskset by its module's name, so its
-id is ``test_verifiers_env``); the multi-turn one is ``tests/verifiers_guess_taskset.py``."""
+The tasksets are modules of their own, which verifiers imports by name and which only this file's
+tests import (collection of the suite does not import verifiers): the single-turn one is
+``tests/verifiers_sum_taskset.py``, the multi-turn one ``tests/verifiers_guess_taskset.py``."""
 
 from __future__ import annotations
 
@@ -14,45 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_episodes import _manager
 
-pytest.importorskip("verifiers")
-import verifiers.v1 as vf  # noqa: E402
-from test_episodes import _manager  # noqa: E402
-
-from marin_rl_core import build_registry  # noqa: E402
-from marin_rl_core.config import resolve_config  # noqa: E402
+from marin_rl_core import build_registry
+from marin_rl_core.config import resolve_config
 
 TESTS = Path(__file__).parent
-REPLIES: dict[str, list[str]] = {}  # each task's replies, as the rubric saw them
 
 
-class SumData(vf.TaskData):
-    answer: str
-
-
-class SumTask(vf.Task[SumData]):
-    @vf.reward(weight=1.0)
-    async def has_digit(self, trace) -> float:
-        """A random tiny model earns this sometimes."""
-        REPLIES.setdefault(self.data.prompt, []).append(trace.last_reply)
-        return float(re.search(r"\d", trace.last_reply) is not None)
-
-    @vf.reward(weight=1.0)
-    async def exact(self, trace) -> float:
-        """... and this almost never."""
-        return float(trace.last_reply.strip() == self.data.answer)
-
-
-class SumTaskset(vf.Taskset[SumTask, vf.TasksetConfig]):
-    def load(self):
-        return [
-            SumTask(SumData(prompt=f"what is the sum of {a} and {b}", answer=str(a + b)))
-            for a in range(4)
-            for b in range(4)
-        ]
-
-
-__all__ = ["SumTaskset"]
+@pytest.fixture(scope="module", autouse=True)
+def _verifiers():
+    pytest.importorskip("verifiers")
 
 
 def _checkpoint(path: Path) -> Path:
@@ -83,8 +56,10 @@ def _verifiers_manager(checkpoint, taskset, *extra):
 
 
 def test_a_verifiers_taskset_runs_through_the_endpoint_and_its_rubric_is_the_reward(checkpoint):
+    from verifiers_sum_taskset import REPLIES
+
     REPLIES.clear()
-    manager, config = _verifiers_manager(checkpoint, "test_verifiers_env")
+    manager, config = _verifiers_manager(checkpoint, "verifiers_sum_taskset")
     try:
         batch, metrics = manager.sample_batch(
             "verifiers", n_examples=4, n_generations=2, mode="train", seed=0, weight_step=3,
@@ -143,7 +118,7 @@ def test_a_taskset_that_cannot_be_loaded_names_the_setting_and_the_fix():
     for settings, message in [
         (['env.taskset="no_such_taskset"'], r"env\.taskset: verifiers cannot import"),
         (
-            ['env.taskset="test_verifiers_env"', "env.taskset_config.color=1"],
+            ['env.taskset="verifiers_sum_taskset"', "env.taskset_config.color=1"],
             r"env\.taskset: verifiers cannot load .*color",
         ),
     ]:
@@ -156,13 +131,13 @@ def test_a_taskset_that_cannot_be_loaded_names_the_setting_and_the_fix():
 @pytest.mark.slow  # 80-115 s here; the endpoint tests above cover the env in the default run
 def test_a_verifiers_run_trains_and_logs_the_rubric(tmp_path, checkpoint):
     """``marinrl run --env verifiers`` on a tiny Qwen3 checkpoint, 2 steps: each episode is a
-    verifiers episode of this module's taskset, in the Ray rollout worker."""
+    verifiers episode of tests/verifiers_sum_taskset.py's taskset, in the Ray rollout worker."""
     from marin_rl_core.metrics import read_metrics
 
     settings = [
         f'model.checkpoint="{checkpoint}"', "model.max_seq_len=256", "trainer.num_train_steps=2",
         "trainer.batch_size=8", "eval.n_examples=2", "eval.frequency=100", f'run_dir="{tmp_path}"',
-        'env.taskset="test_verifiers_env"',
+        'env.taskset="verifiers_sum_taskset"',
     ]  # fmt: skip
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")])
