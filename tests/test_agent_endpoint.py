@@ -443,46 +443,104 @@ def test_an_async_agent_that_hangs_is_cancelled_at_the_episode_timeout(chat):
     assert batch is None  # the other episode made no call: nothing to train on
 
 
-def test_a_cancelled_batch_kills_its_agent_subprocesses(chat, tmp_path):
-    """The job stopping mid-batch (the worker cancels its batch) leaves no agent program
-    running, children of the program included."""
-    manager, _ = chat
-    script = (
+def _group_alive(marker: str) -> list[int]:
+    """Pids of this machine's processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _wait_gone(marker: str, seconds: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (alive := _group_alive(marker)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _sleeper_script(marker: str, pids: str | None = None) -> str:
+    """An agent program that starts a child and sleeps; both carry ``marker`` in their argv and
+    sleep far longer than a test runs, so only a kill ends them in time."""
+    write = f"open({pids!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n" if pids else ""
+    return (
         "import os, subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        "open(sys.argv[1], 'w').write(f'{os.getpid()} {child.pid}')\n"
-        "time.sleep(600)\n"
+        "child = subprocess.Popen(\n"
+        f"    [sys.executable, '-c', 'import time; time.sleep(3600)', {marker!r}])\n"
+        f"{write}"
+        "time.sleep(3600)\n"
     )
+
+
+def test_a_cancelled_batch_kills_its_agent_subprocesses(chat, tmp_path):
+    """The job stopping mid-batch (the worker cancels its batch) ends the batch at once and
+    leaves no agent program running, children of the program included."""
+    manager, _ = chat
+    marker = f"marinrl-agent-{os.getpid()}-{tmp_path.name}"
     pids = tmp_path / "pids"
 
     def agent(problem, endpoint):
-        return AgentCommand(argv=[sys.executable, "-c", script, str(pids)])
+        return AgentCommand(argv=[sys.executable, "-c", _sleeper_script(marker, str(pids)), marker])
 
     AGENT["run"] = agent
+    finished = threading.Event()
+    late: list[str] = []
 
     def cancel_when_started():
         deadline = time.monotonic() + 60
         while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
             time.sleep(0.05)
         manager.cancel()
+        if not finished.wait(60):  # a lost cancel would wait for the programs (an hour)
+            late.append(f"the batch had not stopped 60 s after its cancel: {_group_alive(marker)}")
+            for pid in _group_alive(marker):
+                os.kill(pid, 9)
 
     cancel = threading.Thread(target=cancel_when_started)
     cancel.start()
-    with pytest.raises(BatchCancelled):
-        _batch(manager, n_examples=1, n_generations=1)
-    cancel.join()
-    running = []
-    for pid in map(int, pids.read_text().split()):
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.05)
-        else:
-            running.append(pid)
+    try:
+        with pytest.raises(BatchCancelled):
+            _batch(manager, n_examples=1, n_generations=1)
+    finally:
+        finished.set()
+        cancel.join()
+    assert not late, late[0]
+    assert len(pids.read_text().split()) == 2
+    running = _wait_gone(marker)
     assert not running, f"agent processes still running after the cancel: {running}"
+
+
+@pytest.mark.parametrize("block_s", [0.0, 1.0])
+def test_a_cancel_while_an_agent_starts_kills_its_group(block_s):
+    """A cancel that lands while an agent subprocess is starting (asyncio connects its pipes
+    after the fork: a busy runner loop makes that window seconds long) still kills the program
+    and its children at once, rather than waiting for them to end on their own."""
+    from marin_rl_core.rollout.agent_episodes import _run_command
+
+    marker = f"marinrl-start-{os.getpid()}-{block_s}"
+    endpoint = AgentEndpoint(base_url="http://127.0.0.1:9/v1", api_key="k", model="m")
+    command = AgentCommand(argv=[sys.executable, "-c", _sleeper_script(marker), marker])
+
+    async def cancel_during_start():
+        task = asyncio.ensure_future(_run_command(command, endpoint, 3600))
+        await asyncio.sleep(0)  # the fork has happened; the pipes are not connected yet
+        time.sleep(block_s)  # a busy loop: the program starts its child meanwhile
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, 30)
+
+    try:
+        asyncio.run(cancel_during_start())
+        running = _wait_gone(marker)
+        assert not running, f"agent processes still running after the cancel: {running}"
+    finally:
+        for pid in _group_alive(marker):
+            os.kill(pid, 9)
 
 
 # --- agents in env processes (episodes.env_processes) ---------------------------------------------

@@ -46,28 +46,74 @@ STDERR_LINES = 10
 """Lines of a failed agent subprocess's standard error that its failure message quotes."""
 
 
+KILL_WAIT_S = 10.0
+"""How long the exit of a killed agent subprocess (and the closing of its output pipes) is waited
+for before the runner stops watching it."""
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    """Kill an agent subprocess's process group (the program and its children) and wait, for at
+    most :data:`KILL_WAIT_S`, until it has exited and its pipes are closed."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        await asyncio.wait_for(process.wait(), KILL_WAIT_S)
+    except TimeoutError:
+        # A process outside the group (one that left it with setsid) holds the pipes open.
+        logger.warning(
+            "agent process %d was killed, but its output pipes were still open %.0f s later "
+            "(a process it started left its process group); no longer waiting for them",
+            process.pid,
+            KILL_WAIT_S,
+        )
+        transport = getattr(process, "_transport", None)
+        if transport is not None:
+            transport.close()
+
+
+async def _start(command: AgentCommand, endpoint: AgentEndpoint) -> asyncio.subprocess.Process:
+    """Start an agent subprocess in a process group of its own.
+
+    A cancel that lands while it starts (asyncio connects its pipes after the fork) waits until
+    the process exists, kills its group and goes on. Left to asyncio, such a cancel kills only the
+    program and then waits for its pipes to close, which a child of the program holds open until
+    that child ends on its own (minutes for an agent's tool; the batch's cancel waited as long)."""
+    starting = asyncio.ensure_future(
+        asyncio.create_subprocess_exec(
+            *command.argv,
+            env={**os.environ, **endpoint.environ(), **dict(command.env)},
+            cwd=command.cwd,
+            stdin=asyncio.subprocess.PIPE
+            if command.stdin is not None
+            else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group: a kill reaches its children too
+        )
+    )
+    try:
+        return await asyncio.shield(starting)
+    except asyncio.CancelledError:
+        try:
+            process = await starting
+        except Exception:  # noqa: BLE001 - it failed to start: nothing to kill
+            raise asyncio.CancelledError from None
+        await _kill(process)
+        raise
+
+
 async def _run_command(
     command: AgentCommand, endpoint: AgentEndpoint, timeout: float | None
 ) -> str:
     """Run an agent subprocess to its end; its standard output."""
-    process = await asyncio.create_subprocess_exec(
-        *command.argv,
-        env={**os.environ, **endpoint.environ(), **dict(command.env)},
-        cwd=command.cwd,
-        stdin=asyncio.subprocess.PIPE if command.stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,  # its own process group: a timeout kills its children too
-    )
+    process = await _start(command, endpoint)
     data = None if command.stdin is None else command.stdin.encode("utf-8")
     try:
         out, err = await asyncio.wait_for(process.communicate(data), timeout)
     except BaseException:  # a timeout or a cancelled batch: nothing of it may outlive the episode
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        await process.wait()
+        await _kill(process)
         raise
     if process.returncode != 0:
         tail = err.decode("utf-8", "replace").strip().splitlines()[-STDERR_LINES:]
