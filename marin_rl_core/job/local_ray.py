@@ -195,6 +195,9 @@ class WorkerForkServer:
                 time.sleep(0.01)
             if alive(pid):
                 worker_fork._kill(pid)
+                deadline = time.monotonic() + 5
+                while alive(pid) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         try:  # why a worker was not forked, or the server did not serve: in the driver's log
             said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
         except OSError:

@@ -177,6 +177,8 @@ def serve(
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     wake = Wakeup(selector)
+    # The root forked this server with SIGTERM blocked: one sent meanwhile comes now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
     reached: dict[int, int] = {}  # worker pid -> a pipe it writes to once in Ray's worker loop
     stopped_forking = ""  # why the server forks no more workers
