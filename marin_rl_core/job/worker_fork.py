@@ -279,7 +279,12 @@ def _start(
     sys.stdout.flush()
     sys.stderr.flush()
     loop_r, loop_w = os.pipe()
+    # SIGTERM blocked across the fork (as the root forks a server): one the start-up script
+    # passes on before the worker has dropped the server's handler would be lost in it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     pid = _fork()
+    if pid != 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     if pid == 0:  # the worker
         os.close(loop_r)
         exit_when_done(
@@ -311,6 +316,7 @@ def _become_worker(argv, env, cwd, fds, conn, close_in_child, loop_w) -> None:  
     _say_when_in_the_worker_loop(loop_w)
     wake.close()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one sent meanwhile ends it)
     selector.close()
     listener.close()
     for other in children.values():
