@@ -445,16 +445,15 @@ def test_an_async_agent_that_hangs_is_cancelled_at_the_episode_timeout(chat):
 
 def _group_alive(marker: str) -> list[int]:
     """Pids of this machine's processes whose command line holds ``marker``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found
+    import psutil
+
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline", "status"])
+        if p.pid != os.getpid()
+        and marker in (p.info["cmdline"] or [])
+        and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def _wait_gone(marker: str, seconds: float = 5.0) -> list[int]:

@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import selectors
-import signal
 import socket
 import sys
 import threading
@@ -33,7 +32,6 @@ from marin_rl_core.job.forking import Wakeup, exit_when_done
 from marin_rl_core.job.ray_worker_start import alive
 from marin_rl_core.job.worker_fork import (
     ROOT_ENV,
-    _fork,
     _kill,
     _read_line,
     _send_message,
@@ -100,13 +98,7 @@ def serve_jobs(root: str, owner: int, first: str, idle_s: float = ROOT_IDLE_S) -
         workers look for it)."""
         sys.stdout.flush()
         sys.stderr.flush()
-        # SIGTERM blocked across the fork: one sent to the new server before it has its own
-        # handler (serve() unblocks it then) would reach the root's handler copied into it,
-        # or none, and be lost: the driver's stop would wait for nothing.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-        pid = _fork()
-        if pid != 0:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        pid = wake.fork()  # (SIGTERM held until the server's wake.close())
         if pid == 0:
 
             def become_the_jobs_server() -> None:

@@ -8,6 +8,7 @@ import os
 import selectors
 import signal
 import sys
+import warnings
 from typing import Any
 
 
@@ -34,13 +35,35 @@ class Wakeup:
         except BlockingIOError:
             pass
 
+    def fork(self) -> int:
+        """:func:`fork` with SIGTERM held in the child until its :meth:`close`: one sent to the
+        child before then would reach this server's handler, copied into it, and be lost (a job
+        stopping just after its server was forked waited 5 s for nothing, then killed it)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        pid = fork()
+        if pid != 0:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        return pid
+
     def close(self) -> None:
-        """In a forked child: the signals back to their defaults, the pipe closed."""
+        """In a child forked by :meth:`fork`: the signals back to their defaults, the pipe
+        closed, and SIGTERM released (one sent since the fork ends the child now)."""
         signal.set_wakeup_fd(-1)
         for signum in (signal.SIGTERM, signal.SIGCHLD):
             signal.signal(signum, signal.SIG_DFL)
         os.close(self.read)
         os.close(self.write)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+
+
+def fork() -> int:
+    """``os.fork()`` without Python 3.12's warning that the process is multi-threaded: it counts
+    the native threads too, and a server has two besides its one Python thread, NumPy's
+    OpenBLAS worker and pyarrow's jemalloc background thread, both of which their libraries stop
+    or reset around a fork (``pthread_atfork``) so that the child holds none of their locks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        return os.fork()
 
 
 def exit_when_done(body: Any) -> None:

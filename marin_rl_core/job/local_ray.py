@@ -188,16 +188,18 @@ class WorkerForkServer:
             if self._root.process.poll() is not None:  # (killed while importing)
                 shutil.rmtree(self._root.directory, ignore_errors=True)
         if pid is not None:
+
+            def gone(seconds: float = 5.0) -> bool:
+                deadline = time.monotonic() + seconds
+                while alive(pid) and time.monotonic() < deadline:  # (its root reaps it)
+                    time.sleep(0.01)
+                return not alive(pid)
+
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 5
-            while alive(pid) and time.monotonic() < deadline:  # (its root reaps it)
-                time.sleep(0.01)
-            if alive(pid):
+            if not gone():
                 worker_fork._kill(pid)
-                deadline = time.monotonic() + 5
-                while alive(pid) and time.monotonic() < deadline:
-                    time.sleep(0.01)
+                gone()
         try:  # why a worker was not forked, or the server did not serve: in the driver's log
             said = open(os.path.join(self.directory, "server.log")).read().strip()  # noqa: SIM115
         except OSError:

@@ -37,7 +37,7 @@ driver's death (and then removes its directory itself).
 
 The server imports, and has one Python thread when it forks (no Python lock can be held by a
 thread the child does not have; checked: it refuses to serve otherwise; its native threads:
-:func:`_fork`). JAX's backends are not initialised in it: each worker makes its own. Nor is
+:func:`~marin_rl_core.job.forking.fork`). JAX's backends are not initialised in it: each worker makes its own. Nor is
 Ray's C++ id generator seeded in it (:func:`_ray_random_untouched`, checked by
 :func:`_forks_draw_their_own_ids`): each worker seeds its own.
 """
@@ -53,11 +53,10 @@ import socket
 import struct
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from marin_rl_core.job.forking import Wakeup, exit_when_done
+from marin_rl_core.job.forking import Wakeup, exit_when_done, fork
 from marin_rl_core.job.ray_worker_start import alive
 
 FORKED_FROM = "MARINRL_FORKED_FROM"
@@ -177,8 +176,6 @@ def serve(
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
     wake = Wakeup(selector)
-    # The root forked this server with SIGTERM blocked: one sent meanwhile comes now.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     children: dict[int, socket.socket] = {}  # worker pid -> its set-up script's connection
     reached: dict[int, int] = {}  # worker pid -> a pipe it writes to once in Ray's worker loop
     stopped_forking = ""  # why the server forks no more workers
@@ -279,12 +276,7 @@ def _start(
     sys.stdout.flush()
     sys.stderr.flush()
     loop_r, loop_w = os.pipe()
-    # SIGTERM blocked across the fork (as the root forks a server): one the start-up script
-    # passes on before the worker has dropped the server's handler would be lost in it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    pid = _fork()
-    if pid != 0:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    pid = close_in_child[1].fork()  # (the server's Wakeup: SIGTERM held until the worker's)
     if pid == 0:  # the worker
         os.close(loop_r)
         exit_when_done(
@@ -316,7 +308,6 @@ def _become_worker(argv, env, cwd, fds, conn, close_in_child, loop_w) -> None:  
     _say_when_in_the_worker_loop(loop_w)
     wake.close()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # (one sent meanwhile ends it)
     selector.close()
     listener.close()
     for other in children.values():
@@ -391,16 +382,6 @@ def _ray_random_untouched() -> Iterator[None]:
         ray.actor.ActorClassID = real
 
 
-def _fork() -> int:
-    """``os.fork()`` without Python 3.12's warning that the process is multi-threaded: it counts
-    the native threads too, and the server has two besides its one Python thread, NumPy's
-    OpenBLAS worker and pyarrow's jemalloc background thread, both of which their libraries stop
-    or reset around a fork (``pthread_atfork``) so that the child holds none of their locks."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
-        return os.fork()
-
-
 def _forks_draw_their_own_ids() -> bool:
     """Whether two processes forked from this one draw different random Ray ids (the check
     that nothing imported seeded Ray's generator here)."""
@@ -409,7 +390,7 @@ def _forks_draw_their_own_ids() -> bool:
     drawn = []
     for _ in range(2):
         read, write = os.pipe()
-        pid = _fork()
+        pid = fork()
         if pid == 0:
             try:
                 os.write(write, ObjectID.from_random().binary())
