@@ -174,6 +174,20 @@ class Watch:
                 f"{self.job.local_dir / 'logs' / 'trainer.log'}"
             ) from None
 
+    def _trainer_ended(self, deadline: float) -> bool:
+        """Whether the trainer's run has ended, or ends by ``deadline`` without the trainer
+        answering a call first (a trainer that answers is alive: its run goes on)."""
+        import ray
+
+        if ray.wait([self.train_run], timeout=0)[0]:
+            return True
+        try:
+            ray.get(self.trainer.step.remote(), timeout=max(0.0, deadline - time.monotonic()))
+            return False
+        except Exception:  # noqa: BLE001 - dead (RayActorError) or not answering
+            pass
+        return bool(ray.wait([self.train_run], timeout=max(0.0, deadline - time.monotonic()))[0])
+
     def _rollout_ended(self, i: int) -> None:
         """Rollout worker ``i``'s run ended before training did. Its actor died or is being
         restarted: ask for its process (answered once Ray has it back); its own error: raise."""
@@ -188,8 +202,11 @@ class Watch:
             return
         except Exception:
             # A worker that lost the trainer (its weight server gone) fails too: the trainer's
-            # death, not the worker's symptom of it, is what the user must hear about.
-            if ray.wait([self.train_run], timeout=10)[0]:
+            # death, not the worker's symptom of it, is what the user must hear about. A trainer
+            # that still answers is alive, and the error is the worker's own (a judge that is
+            # down, an env whose every step fails): said at once, not after the 10 s a dead
+            # trainer's run gets to end.
+            if self._trainer_ended(deadline=time.monotonic() + 10):
                 self._trainer_result()
             raise
         log = self.job.local_dir / "logs" / f"rollout-{i}.log"
