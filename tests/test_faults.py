@@ -988,9 +988,21 @@ from ray._private import utils
 restored = all(getattr(Node, name).__name__ == name
                for name in ("start_monitor", "start_api_server", "start_log_monitor"))
 restored = restored and utils.get_dashboard_dependency_error.__module__ == utils.__name__
+from ray._private import services
+build = services._build_python_executable_command_memory_profileable
+restored = restored and getattr(build, "__name__", None) == "_build_python_executable_command_memory_profileable"
+import time
+log = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "dashboard_agent.log")
+agent_modules = None
+for _ in range(600):  # what the agent says once it has loaded its modules
+    text = open(log).read() if os.path.exists(log) else ""
+    if "Loaded " in text:
+        agent_modules = text.split("Loaded ")[1].split(" modules")[0]
+        break
+    time.sleep(0.1)
 job._stop_ray()
 print(json.dumps({"listening": sorted(listening), "auth": os.environ.get("RAY_AUTH_MODE"),
-                  "commands": commands, "restored": restored}))
+                  "commands": commands, "restored": restored, "agent_modules": agent_modules}))
 """
 
 
@@ -1015,6 +1027,10 @@ def test_the_local_ray_listens_on_loopback_only_and_shows_no_token_notice():
     (raylet,) = [c for c in found["commands"] if "--dashboard_agent_command=" in c]
     agent = raylet.split("--dashboard_agent_command=")[1].split(" --runtime_env_agent_command")[0]
     assert "dashboard/agent.py" in agent and "--minimal" in agent.split(), agent
+    # ...through marinrl's script, which has it load the modules a minimal Ray install's agent
+    # loads (none: levanter installs the dashboard's packages, and the agent ran seven).
+    assert agent.split()[2].endswith("marin_rl_core/job/ray_agent_start.py"), agent
+    assert found["agent_modules"] == "0", found["agent_modules"]
     # Its workers start through marinrl's start-up script (which forks them from the job's fork
     # server), not Ray's own set-up script.
     worker = raylet.split("--python_worker_command=")[1].split(" --")[0]

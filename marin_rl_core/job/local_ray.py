@@ -22,6 +22,8 @@ _UNSET: Any = object()
 
 SETUP_WORKER = str(Path(__file__).with_name("ray_worker_start.py"))
 """The script the local Ray's raylet starts its workers with (see ``lean_loopback_head``)."""
+AGENT_START = str(Path(__file__).with_name("ray_agent_start.py"))
+"""The script its dashboard agent runs through (:mod:`marin_rl_core.job.ray_agent_start`)."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -59,7 +61,9 @@ def lean_loopback_head() -> Iterator[None]:
       skipped; where a Ray version lacks one, Ray starts that process as usual. The raylet's
       dashboard agent (which it needs) runs in Ray's minimal mode, as where the dashboard's
       packages are not installed: its other modules serve the dashboard and the state API, and
-      checking for those packages imported them into the driver (0.2 s). Want the
+      checking for those packages imported them into the driver (0.2 s); the agent itself starts
+      through :mod:`marin_rl_core.job.ray_agent_start`, which answers its own check the same
+      way, so that it loads the modules a minimal Ray install's agent loads. Want the
       dashboard? Start a cluster with ``ray start --head --include-dashboard=true`` and pass
       ``--ray-address``.
     * The raylet starts each worker through :mod:`marin_rl_core.job.ray_worker_start`, which
@@ -87,6 +91,12 @@ def lean_loopback_head() -> Iterator[None]:
         patches.append((ray_constants, "SETUP_WORKER_FILENAME", SETUP_WORKER))
     if hasattr(utils, "get_dashboard_dependency_error"):
         patches.append((utils, "get_dashboard_dependency_error", _no_dashboard))
+        build = getattr(services, "_build_python_executable_command_memory_profileable", None)
+        if build is not None and hasattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT"):
+            agent = ray_constants.PROCESS_TYPE_DASHBOARD_AGENT
+            patches.append(
+                (services, build.__name__, functools.partial(_agent_command, build, agent))
+            )
     patches += [
         (node.Node, name, _skip_head_process)
         for name in ("start_api_server", "start_monitor", "start_log_monitor")
@@ -122,6 +132,13 @@ def _rays_setup_worker_is_known() -> bool:
 
 def _skip_head_process(self: Any, *args: Any, **kwargs: Any) -> None:
     return None
+
+
+def _agent_command(build: Any, agent: str, component: str, *args: Any, **kwargs: Any) -> list[str]:
+    """Ray's Python command for ``component``; the dashboard agent's goes through
+    :mod:`marin_rl_core.job.ray_agent_start` (its modules as in a minimal Ray install)."""
+    command = list(build(component, *args, **kwargs))
+    return [*command, AGENT_START] if component == agent else command
 
 
 def _no_dashboard() -> ImportError:
