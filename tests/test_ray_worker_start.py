@@ -1,5 +1,6 @@
 """Where the local Ray's start-up script does not fork a worker (no fork server here), it starts it
-exactly as Ray's own set-up script does."""
+exactly as Ray's own set-up script does; its dashboard agent's start-up script loads the modules
+Ray's own selection loads in a minimal install."""
 
 from __future__ import annotations
 
@@ -116,3 +117,31 @@ def test_a_ray_whose_setup_script_takes_other_options_keeps_its_own(tmp_path, mo
     monkeypatch.setattr(ray_worker_start, "rays_own_script", lambda: str(newer_script))
     with lean_loopback_head():
         assert ray_constants.SETUP_WORKER_FILENAME == "setup_worker.py"
+
+
+AGENT_MODULES = """
+import json
+import ray._private.utils
+ray._private.utils.get_dashboard_dependency_error = lambda: ImportError("no dashboard here")
+import ray.dashboard.utils as utils
+from marin_rl_core.job.ray_agent_start import minimal_modules
+picked = utils.get_all_modules(utils.DashboardAgentModule)  # imports every module, as Ray does
+print(json.dumps({
+    "ray": [m.__name__ for m in picked],
+    "ours": [m.__name__ for m in minimal_modules(utils.DashboardAgentModule)],
+    "all": [m.__name__ for m in utils.DashboardAgentModule.__subclasses__()],
+}))
+"""
+
+
+def test_the_local_rays_agent_loads_what_rays_own_selection_loads_in_a_minimal_install():
+    """``ray_agent_start`` spares the dashboard agent Ray's walk through every dashboard module
+    by answering what the walk would: the installed Ray, with its dashboard's packages missing
+    (a minimal install), selects no agent module (there are several to choose from)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", AGENT_MODULES], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(found["all"]) >= 3, found  # the walk found the agent's modules
+    assert found["ours"] == found["ray"], found
