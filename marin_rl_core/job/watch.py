@@ -183,7 +183,8 @@ class Watch:
             return True
         try:
             ray.get(self.trainer.step.remote(), timeout=max(0.0, deadline - time.monotonic()))
-            return False
+            # (its run may have ended with an error of its own meanwhile: that one is said)
+            return bool(ray.wait([self.train_run], timeout=0)[0])
         except Exception:  # noqa: BLE001 - dead (RayActorError) or not answering
             pass
         return bool(ray.wait([self.train_run], timeout=max(0.0, deadline - time.monotonic()))[0])
