@@ -989,10 +989,11 @@ restored = all(getattr(Node, name).__name__ == name
                for name in ("start_monitor", "start_api_server", "start_log_monitor"))
 restored = restored and utils.get_dashboard_dependency_error.__module__ == utils.__name__
 from ray._private import services
-build = services._build_python_executable_command_memory_profileable
-restored = restored and getattr(build, "__name__", None) == "_build_python_executable_command_memory_profileable"
+name = "_build_python_executable_command_memory_profileable"
+restored = restored and getattr(getattr(services, name), "__name__", None) == name
 import time
-log = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs", "dashboard_agent.log")
+session_dir = ray._private.worker._global_node.get_session_dir_path()
+log = os.path.join(session_dir, "logs", "dashboard_agent.log")
 agent_modules = None
 for _ in range(600):  # what the agent says once it has loaded its modules
     text = open(log).read() if os.path.exists(log) else ""
