@@ -80,6 +80,8 @@ def lean_loopback_head() -> Iterator[None]:
     """
     from ray._private import node, ray_constants, services, utils
 
+    from marin_rl_core.job.ray_agent_start import no_dashboard
+
     # (owner, attribute, value while the job's ray.init runs); each is put back after.
     patches: list[tuple[Any, str, Any]] = [(ray_constants, "ENABLE_RAY_CLUSTER", False)]
     if (
@@ -90,7 +92,7 @@ def lean_loopback_head() -> Iterator[None]:
         # Ray joins the name to its workers' directory: an absolute path replaces it.
         patches.append((ray_constants, "SETUP_WORKER_FILENAME", SETUP_WORKER))
     if hasattr(utils, "get_dashboard_dependency_error"):
-        patches.append((utils, "get_dashboard_dependency_error", _no_dashboard))
+        patches.append((utils, "get_dashboard_dependency_error", no_dashboard))
         build = getattr(services, "_build_python_executable_command_memory_profileable", None)
         if build is not None and hasattr(ray_constants, "PROCESS_TYPE_DASHBOARD_AGENT"):
             agent = ray_constants.PROCESS_TYPE_DASHBOARD_AGENT
@@ -139,11 +141,6 @@ def _agent_command(build: Any, agent: str, component: str, *args: Any, **kwargs:
     :mod:`marin_rl_core.job.ray_agent_start` (its modules as in a minimal Ray install)."""
     command = list(build(component, *args, **kwargs))
     return [*command, AGENT_START] if component == agent else command
-
-
-def _no_dashboard() -> ImportError:
-    """What Ray's check for its dashboard's packages answers (they are not imported)."""
-    return ImportError("this job's local Ray serves no dashboard")
 
 
 def no_token_auth_notice(record: logging.LogRecord) -> bool:

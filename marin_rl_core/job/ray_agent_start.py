@@ -22,7 +22,9 @@ import runpy
 import sys
 
 
-def _no_dashboard() -> ImportError:
+def no_dashboard() -> ImportError:
+    """What Ray's check for its dashboard's packages answers in the local Ray's processes (the
+    driver's ``ray.init`` too: :func:`~marin_rl_core.job.local_ray.lean_loopback_head`)."""
     return ImportError("this job's local Ray serves no dashboard")
 
 
@@ -39,7 +41,7 @@ def main() -> None:
     import ray._private.utils
 
     # Before the agent imports ray.dashboard.utils, which takes the check by name.
-    ray._private.utils.get_dashboard_dependency_error = _no_dashboard
+    ray._private.utils.get_dashboard_dependency_error = no_dashboard
     import ray.dashboard.utils
 
     ray.dashboard.utils.get_all_modules = minimal_modules

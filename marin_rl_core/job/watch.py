@@ -179,15 +179,13 @@ class Watch:
         answering a call first (a trainer that answers is alive: its run goes on)."""
         import ray
 
-        if ray.wait([self.train_run], timeout=0)[0]:
-            return True
         try:
             ray.get(self.trainer.step.remote(), timeout=max(0.0, deadline - time.monotonic()))
-            # (its run may have ended with an error of its own meanwhile: that one is said)
-            return bool(ray.wait([self.train_run], timeout=0)[0])
+            answered = True  # (its run may still have ended, with an error of its own)
         except Exception:  # noqa: BLE001 - dead (RayActorError) or not answering
-            pass
-        return bool(ray.wait([self.train_run], timeout=max(0.0, deadline - time.monotonic()))[0])
+            answered = False
+        wait = 0.0 if answered else max(0.0, deadline - time.monotonic())
+        return bool(ray.wait([self.train_run], timeout=wait)[0])
 
     def _rollout_ended(self, i: int) -> None:
         """Rollout worker ``i``'s run ended before training did. Its actor died or is being
