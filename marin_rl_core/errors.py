@@ -167,7 +167,8 @@ class FeatureNotAvailableError(MarinRLError):
 
 
 class ClusterError(MarinRLError):
-    """The Ray cluster named by ``--ray-address`` does not answer or cannot be joined."""
+    """The Ray cluster named by ``--ray-address`` does not answer or cannot be joined, or the
+    job's own local Ray does not start."""
 
     exit_code = ExitCode.CLUSTER
 

@@ -862,6 +862,29 @@ def test_an_unreachable_ray_address_fails_fast_and_writes_nothing(cli, tmp_path,
     assert "writing to" not in result.output, "nothing was written: the run is not announced"
 
 
+def test_a_local_ray_that_does_not_start_says_where_its_logs_are(
+    cli, tmp_path, tiny_mock_job, monkeypatch
+):
+    """Ray's own start-up failing (its raylet timed out: a machine short of memory, a dashboard
+    agent that died) is exit 10 naming Ray's logs and what to try, not "a marinrl bug"; nothing
+    is written."""
+    from marin_rl_core.job.local_ray import LocalRay
+
+    def fails(self, num_cpus):
+        raise Exception("The current node timed out during startup.")
+
+    monkeypatch.setattr(LocalRay, "_init_ray", fails)
+    result = cli(
+        "run", *tiny_mock_job, "--set", f'run_dir="{tmp_path}"', "--run-id", "no-ray",
+    )  # fmt: skip
+    out = " ".join(result.output.split())
+    assert result.exit_code == ExitCode.CLUSTER, result.output
+    assert "the job's local Ray did not start: Exception: The current node timed out" in out
+    assert "ray/session_latest/logs (raylet.out" in out and "--ray-address" in out
+    assert "marinrl bug" not in out and "Traceback" not in result.output
+    assert not (tmp_path / "no-ray").exists()
+
+
 def test_a_run_dir_that_cannot_be_written_says_so(cli, tmp_path, tiny_mock_job, monkeypatch):
     """Said before the job starts Ray and its workers (seconds on a small machine), as what a
     write would meet: a file where a directory of the path should be."""

@@ -238,7 +238,18 @@ class RLJob:
                 ) from exc
             return True
         self._local_ray = LocalRay()
-        address = self._local_ray.start()
+        try:
+            address = self._local_ray.start()
+        except Exception as exc:  # its raylet, GCS or dashboard agent did not come up
+            self._local_ray = None  # (stopped by start() itself)
+            logs = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp"), "ray", "session_latest")
+            raise ClusterError(
+                f"the job's local Ray did not start: {type(exc).__name__}: {first_line(exc)}. "
+                f"Ray's own logs are in {logs}/logs (raylet.out, gcs_server.out, "
+                "dashboard_agent.log). A machine short of memory or CPU while it starts is the "
+                "usual cause: run the job again, or start Ray yourself (`ray start --head`) and "
+                "pass its address with --ray-address."
+            ) from exc
         if not address.startswith(("127.", "[::1]", "localhost")):
             logger.warning("the local Ray instance listens at %s, not on loopback only", address)
         return True
