@@ -378,11 +378,12 @@ def test_the_judged_env_example_learns_what_its_judge_asks_for(installed_describ
     rollout's reward is the judge's grade less the length penalty."""
     from judge_server import JudgeServer
 
+    # 40 steps: the held-out judged reward 0.80-1.00 at seeds 0-2 on an AMD EPYC machine
+    # (2026-12-04); 28 steps gave 0.60-0.80 on another machine but 0.29 here at seed 0
+    steps = 40
     with JudgeServer(target=6, delay_s=0.0) as judge:
         small = [
-            # 40 steps: the held-out judged reward 0.80-1.00 at seeds 0-2 on an AMD EPYC machine
-            # (2026-12-04); 28 steps gave 0.60-0.80 on another machine but 0.29 here at seed 0
-            "trainer.num_train_steps=40", "eval.n_examples=32", "eval.frequency=40",
+            f"trainer.num_train_steps={steps}", "eval.n_examples=32", f"eval.frequency={steps}",
             "trainer.batch_size=128", "sampling.n_prompts=16",  # batches of 128 learned as 256 did
             f'run_dir="{tmp_path}"', f'reward.terms[0].config.url="{judge.url}"',
             f'reward.terms[0].config.cache="{tmp_path / "judge.sqlite"}"',
@@ -396,7 +397,7 @@ def test_the_judged_env_example_learns_what_its_judge_asks_for(installed_describ
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     evals = [r for r in rows if r["source"] == "eval"]
     first, last = evals[0], evals[-1]
-    assert (first["step"], last["step"]) == (0, 40)
+    assert (first["step"], last["step"]) == (0, steps)
     judged = [r["eval/describe/reward/judge"] for r in (first, last)]
     chars = [r["eval/describe/characters"] for r in (first, last)]
     assert judged[1] >= judged[0] + 0.3, f"the judged reward did not rise: {judged}"
