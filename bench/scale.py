@@ -386,8 +386,10 @@ def job(args: argparse.Namespace) -> None:
     trainer, rollout = (peak.by_role.get(r, 0) for r in ("TrainerService", "RolloutService"))
     print(
         f"marinrl run              exit {code} in {seconds:.0f} s; peak RSS: all processes "
-        f"{gib(peak.total)}, trainer {gib(trainer)}, rollout worker {gib(rollout)}"
-    )
+        f"{gib(peak.total)}, trainer {gib(trainer)}, "
+        + ("sampling in the trainer's process (colocated)" if args.colocate and not rollout
+           else f"rollout worker {gib(rollout)}")
+    )  # fmt: skip
     estimates = [
         float(m.group(1))
         for m in (re.search(r"memory: the job needs about ([\d.]+) GiB", x) for x in lines)
