@@ -70,8 +70,9 @@ def lean_loopback_head() -> Iterator[None]:
       has the job's fork server (:mod:`marin_rl_core.job.worker_fork`, which the driver starts
       just before this ``ray.init``; its directory in the environment the driver gives the
       raylet) fork the worker with JAX, levanter and Ray imported, or does what Ray's own
-      set-up script does, where Ray's script takes just the two options it reads. (The raylet leaves a script whose name ends in ``setup_worker.py``
-      out of the command of a worker without a runtime env, hence the name.)
+      set-up script does, where Ray's script takes just the two options it reads. (The raylet
+      leaves a script whose name ends in ``setup_worker.py`` out of the command of a worker
+      without a runtime env, hence the name.)
     * Ray's processes (GCS, raylet, and the workers the raylet starts) run in a session of
       their own, as Ray already keeps SIGINT from them: a scheduler's SIGTERM to the job's
       whole process group (Slurm's ``scancel``, Kubernetes) reaches the driver alone, which
