@@ -15,7 +15,8 @@ with a small tokenizer that has Qwen's ChatML template (nothing is downloaded). 
 2. **Sampler** (1 device): generated tokens/s of marinrl's ``sample_batch`` against levanter's
    bare ``InferenceEngine`` on the same prompts (target >= 0.9x).
 3. **The job**: ``marinrl run --model DIR`` for a few RL steps (Ray, trainer and rollout worker
-   processes, the peak resident memory of each), then ``marinrl export``.
+   processes, the peak resident memory of each), then ``marinrl export`` (``--skip-export``:
+   not; a lent GPU's minutes go to the job's figures).
 
 Parts 1 and 2 need no Ray: on a GPU, ``python bench/scale.py --devices 1 --skip-job`` prints the
 same figures plus model FLOPs utilisation (``--peak-tflops``: the accelerator's dense bf16 peak).
@@ -270,6 +271,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=0.0)
     parser.add_argument("--skip-job", action="store_true")
     parser.add_argument("--skip-figures", action="store_true", help="only the marinrl job")
+    parser.add_argument(
+        "--skip-export", action="store_true", help="no marinrl export after the job"
+    )
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-0.6b")
     parser.add_argument(
         "--lora", type=int, default=0, metavar="RANK", help="the job trains LoRA adapters"
@@ -417,6 +421,8 @@ def job(args: argparse.Namespace) -> None:
     device = [r["device_peak_memory_gib"] for r in rows if "device_peak_memory_gib" in r]
     if device:  # accelerators: a colocated process's row covers sampling too
         print(f"peak device memory       {max(device):.2f} GiB")
+    if args.skip_export:
+        return
     export = run_dir / "export"
     code, seconds, _ = run_measured(
         [sys.executable, "-m", "marin_rl_core", "export", str(run_dir / "qwen3"), str(export)]
