@@ -384,7 +384,8 @@ def job(args: argparse.Namespace) -> None:
         command += ["--set", override]
     command += ["--run-id", "qwen3"]
     what = f"{args.shape}, {'LoRA rank ' + str(args.lora) if args.lora else 'full fine-tuning'}"
-    print(f"\n== marinrl run ({args.steps} RL steps, {what}), then marinrl export")
+    then = "" if args.skip_export else ", then marinrl export"
+    print(f"\n== marinrl run ({args.steps} RL steps, {what}){then}")
     lines: list[str] = []
     code, seconds, peak = run_measured(command, lines=lines)
     trainer, rollout = (peak.by_role.get(r, 0) for r in ("TrainerService", "RolloutService"))
