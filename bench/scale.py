@@ -389,12 +389,15 @@ def job(args: argparse.Namespace) -> None:
     lines: list[str] = []
     code, seconds, peak = run_measured(command, lines=lines)
     trainer, rollout = (peak.by_role.get(r, 0) for r in ("TrainerService", "RolloutService"))
+    sampler = (
+        "sampling in the trainer's process (colocated)"
+        if args.colocate and not rollout
+        else f"rollout worker {gib(rollout)}"
+    )
     print(
         f"marinrl run              exit {code} in {seconds:.0f} s; peak RSS: all processes "
-        f"{gib(peak.total)}, trainer {gib(trainer)}, "
-        + ("sampling in the trainer's process (colocated)" if args.colocate and not rollout
-           else f"rollout worker {gib(rollout)}")
-    )  # fmt: skip
+        f"{gib(peak.total)}, trainer {gib(trainer)}, {sampler}"
+    )
     estimates = [
         float(m.group(1))
         for m in (re.search(r"memory: the job needs about ([\d.]+) GiB", x) for x in lines)
