@@ -12,10 +12,13 @@ While it waits the worker asks the trainer (:class:`PacingFeedback`, from
 ``Trainer.pacing_feedback``): rollouts of this worker the trainer dropped unused (stale after a
 checkpoint or an eval held it up, or evicted) are generated again at once, first set against
 the surplus; a trainer that has waited :data:`STARVED_S` with nothing arriving and has read
-every batch this worker wrote is fed without newer weights (it lost rollouts it counted on); a
-busy trainer (a first step compiling, a checkpoint) is waited for, up to
-:data:`PACED_LIMIT_S` or four typical weight intervals. Without an answer (no job around the
-worker, or the trainer gone) the wait ends after four typical intervals (at least 2 s).
+every batch this worker wrote is fed without newer weights (it lost rollouts it counted on),
+unless it has published weights newer than the worker's (then it waits for the batch those
+make: one made with older weights would arrive stale, as it did when a loaded machine took over
+a second to hand newer weights over); a busy trainer (a first step compiling, a checkpoint) is
+waited for, up to :data:`PACED_LIMIT_S` or four typical weight intervals. Without an answer
+(no job around the worker, or the trainer gone) the wait ends after four typical intervals (at
+least 2 s).
 
 ``tests/test_pacing.py`` drives every branch on a clock of its own.
 """
@@ -52,6 +55,8 @@ class PacingFeedback(NamedTuple):
     """How many of this worker's rollouts it dropped without training on them, ever."""
     read_through: int
     """The batch counter after the last of this worker's batches it has read."""
+    published_step: int = -1
+    """The step of the newest weights it has published (-1: none yet)."""
 
 
 class Pacer:
@@ -75,7 +80,7 @@ class Pacer:
         sleep: Callable[[float], Any] | None = None,
     ):
         self.share, self.delay, self.name = share, delay, name
-        self.ask: Callable[[], PacingFeedback | tuple[float, int, int]] | None = None
+        self.ask: Callable[[], PacingFeedback | tuple[Any, ...]] | None = None
         """The trainer's answer (set by the job; ``None``: no trainer to ask)."""
         self._clock, self._sleep = clock, sleep
         self._paced_from: int | None = None  # the weight step pacing counts from
@@ -149,7 +154,15 @@ class Pacer:
                 if self._regenerate(answer.dropped):
                     continue
                 arrived = answer.read_through >= self.written_through
-                if answer.starved_seconds >= STARVED_S and waited >= STARVED_S and arrived:
+                # Newer weights than the worker's are on their way to it: what the trainer
+                # waits for is the batch made with them.
+                newer = answer.published_step > weight_step()
+                if (
+                    answer.starved_seconds >= STARVED_S
+                    and waited >= STARVED_S
+                    and arrived
+                    and not newer
+                ):
                     self._log_once("the trainer is short of rollouts")
                     break
             bound = limit if self.ask is not None else fallback

@@ -90,7 +90,8 @@ def test_a_stop_ends_the_wait():
 
 
 @pytest.mark.parametrize(
-    "trainer", ["busy", "starved", "in transit", "dropped", "surplus dropped", "gone"]
+    "trainer",
+    ["busy", "starved", "in transit", "newer weights", "dropped", "surplus dropped", "gone"],
 )
 def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer):
     """A worker that has made its share for its weights waits for newer ones while the trainer
@@ -98,8 +99,10 @@ def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer
     again at once what the trainer dropped unused (so it stays a step ahead after a checkpoint)
     but not the surplus it made past its share (that is what goes stale), goes on once the
     trainer says it has waited with no rollouts arriving and has read what the worker wrote (it
-    lost some it counted on), waits while its last batch is still on the way, and without an
-    answer from the trainer goes on after the plain bound."""
+    lost some it counted on), waits while its last batch is still on the way or while the
+    trainer has published weights newer than its own (a starved trainer waits for the batch
+    made with them: one made now would arrive stale), and without an answer from the trainer
+    goes on after the plain bound."""
     clock = Clock()
     p = pacer(clock)
     p.count_generated((DELAY + 1) * BATCH, step=0)  # all it may make with weights of step 0
@@ -116,11 +119,12 @@ def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer
         if trainer in ("dropped", "surplus dropped"):
             return PacingFeedback(0.0, BATCH // 2, 3)
         starved = 0.0 if trainer == "busy" else 5.0
-        return PacingFeedback(starved, 0, 2 if trainer == "in transit" else 3)
+        published = 1 if trainer == "newer weights" else 0
+        return PacingFeedback(starved, 0, 2 if trainer == "in transit" else 3, published)
 
     p.ask = ask
     waited = p.wait(lambda: 0, lambda: False, threading.Event())
-    if trainer in ("busy", "in transit", "surplus dropped"):
+    if trainer in ("busy", "in transit", "newer weights", "surplus dropped"):
         assert waited == pytest.approx(PACED_LIMIT_S, abs=0.01), "waited for, up to the limit"
         assert len(asked) > 100 and p.ahead(0)
     elif trainer == "starved":
@@ -131,3 +135,25 @@ def test_a_paced_worker_waits_for_a_busy_trainer_and_feeds_a_starved_one(trainer
     else:
         assert waited == pytest.approx(NO_ANSWER_S, abs=0.01) and len(asked) == 1
         assert p.ask is None, "a trainer that does not answer is not asked again"
+
+
+def test_a_worker_waits_for_the_newer_weights_a_starved_trainer_published():
+    """The trainer trained on the worker's batch, published newer weights and waits for the
+    batch made with them; they take 3 s to reach the worker (a loaded machine): the worker
+    waits for them rather than making a batch with its old weights that would arrive stale."""
+    clock = Clock()
+    p = pacer(clock)
+    p.count_generated((DELAY + 1) * BATCH, step=0)
+    p.written_through = 1
+    step = {"now": 0}
+    start = clock.now
+
+    def sync() -> bool:
+        if clock.now >= start + 3.0 and step["now"] == 0:
+            step["now"] = 1
+            return True
+        return False
+
+    p.ask = lambda: PacingFeedback(clock.now - start + STARVED_S, 0, 1, 1)
+    waited = p.wait(lambda: step["now"], sync, threading.Event())
+    assert step["now"] == 1 and 3.0 <= waited < 3.02

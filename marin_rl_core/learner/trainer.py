@@ -238,13 +238,16 @@ class Trainer:
         :mod:`~marin_rl_core.pacing`): :meth:`starved_seconds`; how many of its rollouts
         were dropped unused
         (:meth:`~marin_rl_core.learner.replay_buffer.ReplayBuffer.unused_dropped`), which it
-        generates again instead of falling a step behind for the rest of the run; and how many
+        generates again instead of falling a step behind for the rest of the run; how many
         of worker ``worker_index``'s batches were read (a starved trainer with one of them
-        still on its way needs nothing more from that worker)."""
+        still on its way needs nothing more from that worker); and the step of the newest
+        weights published (a worker without them yet waits for them)."""
+        published = self._published_step
         return PacingFeedback(
             self.starved_seconds(),
             self.replay.unused_dropped(worker_id),
             self.rollout_positions.get(worker_index, 0),
+            -1 if published is None else published,
         )
 
     def diagnostics(self) -> dict[str, Any]:
