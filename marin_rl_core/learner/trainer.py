@@ -242,13 +242,10 @@ class Trainer:
         of worker ``worker_index``'s batches were read (a starved trainer with one of them
         still on its way needs nothing more from that worker); and the step of the newest
         weights published (a worker without them yet waits for them)."""
-        published = self._published_step
-        return PacingFeedback(
-            self.starved_seconds(),
-            self.replay.unused_dropped(worker_id),
-            self.rollout_positions.get(worker_index, 0),
-            -1 if published is None else published,
-        )
+        published = -1 if self._published_step is None else self._published_step
+        dropped = self.replay.unused_dropped(worker_id)
+        read = self.rollout_positions.get(worker_index, 0)
+        return PacingFeedback(self.starved_seconds(), dropped, read, published)
 
     def diagnostics(self) -> dict[str, Any]:
         """What the watchdog reports when no step completes (thread-safe reads)."""
