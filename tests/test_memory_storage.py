@@ -270,18 +270,25 @@ def test_a_reader_started_again_from_its_position_goes_on_after_it(make_storage)
     ]  # fmt: skip
 
 
-def test_a_resumed_trainer_reads_on_after_the_batches_its_checkpoint_holds(make_storage, tmp_path):
-    """Exactly once across a trainer restart: batches read before the checkpoint come back in
-    its replay buffer and are not read again; the ones after it are read once."""
+def trainer_config(*, batch_size: int):
+    """The registry and an rloo config of the mock env, trained on pairs of rollouts."""
     from marin_rl_core.config import resolve_config
-    from marin_rl_core.learner.trainer import Trainer
 
     registry = build_registry()
     config = resolve_config(
         registry,
         selections={"env": "mock", "loss": "rloo"},
-        overrides=["trainer.batch_size=6", "sampling.n_generations_per_prompt=2"],
+        overrides=[f"trainer.batch_size={batch_size}", "sampling.n_generations_per_prompt=2"],
     )
+    return registry, config
+
+
+def test_a_resumed_trainer_reads_on_after_the_batches_its_checkpoint_holds(make_storage, tmp_path):
+    """Exactly once across a trainer restart: batches read before the checkpoint come back in
+    its replay buffer and are not read again; the ones after it are read once."""
+    from marin_rl_core.learner.trainer import Trainer
+
+    registry, config = trainer_config(batch_size=6)
     storage = make_storage(capacity=16)
     writer = storage.writer(name="rollout-0")
     for i in range(3):
@@ -298,3 +305,37 @@ def test_a_resumed_trainer_reads_on_after_the_batches_its_checkpoint_holds(make_
     assert len(resumed.replay) == held
     later = resumed.reader.read_batches(max_batches=10, timeout=1)
     assert [batch_key(b) for b in later] == [("w", 2), ("w", 3)]
+
+
+def test_a_trainer_with_a_batch_in_hand_is_not_starved_while_its_first_step_compiles(
+    make_storage, tmp_path
+):
+    """A paced worker asks the trainer whether it is short of rollouts: one that has its batch
+    and waits for its first step's compile (a slow one on a loaded machine) is not, else the
+    worker made a batch with the old weights that arrived stale (32 dropped in test_job)."""
+    from marin_rl_core.learner.trainer import Trainer
+
+    class Compiled(Exception):
+        pass
+
+    registry, config = trainer_config(batch_size=4)
+    storage = make_storage(capacity=4)
+    storage.writer(name="rollout-0").write_batch(
+        make_batch("w", 0, group_sizes=(2, 2), timestamp=time.time()), timeout=5
+    )
+    trainer = Trainer(config, registry, run_dir=tmp_path, storage=storage)
+    seen = []
+
+    class SlowCompile:
+        cancelled = threading.Event()
+
+        def finish(self) -> None:  # the batch is read; the step's tracing is not done
+            time.sleep(0.05)
+            seen.append((trainer.starved_seconds(), trainer.diagnostics()["stage"]))
+            raise Compiled
+
+    trainer.updates.start_warm_up = lambda *a, **k: SlowCompile()
+    with pytest.raises(Compiled):
+        trainer.run()
+    assert seen == [(0.0, "starting a training step")]
+    assert trainer.rollouts_read == 4

@@ -235,13 +235,11 @@ class Trainer:
 
     def pacing_feedback(self, worker_id: str, worker_index: int) -> PacingFeedback:
         """What a paced rollout worker asks before it waits for newer weights (thread-safe;
-        :mod:`~marin_rl_core.pacing`): :meth:`starved_seconds`; how many of its rollouts
-        were dropped unused
-        (:meth:`~marin_rl_core.learner.replay_buffer.ReplayBuffer.unused_dropped`), which it
-        generates again instead of falling a step behind for the rest of the run; how many
-        of worker ``worker_index``'s batches were read (a starved trainer with one of them
-        still on its way needs nothing more from that worker); and the step of the newest
-        weights published (a worker without them yet waits for them)."""
+        :mod:`~marin_rl_core.pacing`): :meth:`starved_seconds`; how many of its rollouts were
+        dropped unused (:meth:`~marin_rl_core.learner.replay_buffer.ReplayBuffer.unused_dropped`),
+        which it generates again instead of falling a step behind for the rest of the run; how many
+        of worker ``worker_index``'s batches were read (a starved trainer with one of them still
+        on its way needs nothing more from that worker); the newest weights' step published."""
         published = -1 if self._published_step is None else self._published_step
         dropped = self.replay.unused_dropped(worker_id)
         read = self.rollout_positions.get(worker_index, 0)
@@ -369,6 +367,8 @@ class Trainer:
         while not self._stop.is_set():
             sampled = self.replay.sample(size)
             if sampled is not None:
+                # Not short of rollouts (paced workers ask) while the first step compiles.
+                self._enter("starting a training step")
                 rollouts, advantages = sampled
                 return (
                     list(rollouts),
