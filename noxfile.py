@@ -31,8 +31,9 @@ def _python() -> str:
     """The sessions' interpreter: the first ``python3.11`` on ``PATH``, unless that one runs on
     a shared ``libpython`` (pyenv's builds do: every call into the interpreter goes through the
     library's symbol table) and the system has a statically linked 3.11 beside it, which then
-    runs the sessions: on the 2-core machine the suite took 14:06 on Debian's 3.11.2 against
-    15:39 on pyenv's 3.11.7, a pure-Python loop 1.01 against 1.48 s (docs/development.md#tests).
+    runs the sessions: on the 2-core machine the suite took 14:06-15:03 on Debian's 3.11.2
+    against 15:39-16:07 on pyenv's 3.11.7, a pure-Python loop 1.01 against 1.48 s
+    (docs/development.md#tests).
     ``nox -s tests --force-python python3.11`` takes the one on ``PATH`` all the same."""
     first = shutil.which("python3.11")
     if sys.platform != "linux" or first is None or not _shares_libpython(first):
