@@ -18,9 +18,9 @@ random model of the same shape).
         --engines kv paged dense \
         --limit paged=8192 --limit dense=8192 --limit plain=4096  # a GPU (bench/device/all.sh)
 
-The default run takes under a minute on a 2-core CPU (kv and paged done in 49 s on a slow day;
-the paged engine's call costs about the same at any token count, levanter's engine running a
-fixed number of rounds, 10 s at 8 rows and 24 s at 32). ``dense`` runs only when named: it
+The default run takes under a minute and a half on a 2-core CPU, kv and paged done in 54 s
+(2026-12-07, an AMD EPYC machine; the paged engine's call costs about the same at any token
+count, levanter's engine running a fixed number of rounds, 11-16 s at 8 rows and 24 s at 32). ``dense`` runs only when named: it
 recomputes the whole sequence for every token (tens of minutes at 32 x 128 on a CPU). Cells run
 kv and paged at the first rows x tokens first (the last line's ratio), then every row count at
 the first token count (the bars' cells); ``--limit NAME=N`` skips an engine (or ``plain``,

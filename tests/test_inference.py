@@ -290,8 +290,7 @@ def test_weights_as_a_transfer_delivers_them_compile_nothing_new(engine, models,
     again (XLA compiles a program apart for committed arguments; the warm-up was wasted)."""
     prompts = prompts_of(tok, 3)
     engine.update_model(models[0])
-    for seed in (0, 1):  # (levanter's paged engine compiles its first call apart)
-        sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=seed)
+    sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=0)
     delivered = jax.tree.map(
         lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, models[1]
     )
@@ -308,6 +307,31 @@ def test_weights_as_a_transfer_delivers_them_compile_nothing_new(engine, models,
     finally:
         jax.monitoring.unregister_event_duration_listener(count)
     assert lowered == [], f"{len(lowered)} programs compiled again for the delivered weights"
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_a_new_engine_compiles_its_programs_in_its_first_call_only(kind, models, tok):
+    """The second call of the same shapes compiles nothing: levanter's paged engine made its
+    state not committed to a device and got it back committed, and compiled its prefill again
+    (a program apart for each)."""
+    # (12 tokens, 7 slots: no other test's shapes, so the first call finds nothing compiled)
+    engine = make_engine(kind, models[0], max_seq_len=12, eos_id=tok.eos_id, max_seqs=7)
+    lowered: list[int] = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered[-1] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for seed in (0, 1):
+            lowered.append(0)
+            sample_prompts(
+                engine, prompts_of(tok, 3), n=2, temperature=1.0, max_tokens=4, seed=seed
+            )
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert lowered[0] > 0 and lowered[1] == 0, f"programs lowered per call: {lowered}"
 
 
 def test_more_samples_than_slots_are_chunked(fresh, models, tok):
