@@ -16,15 +16,16 @@ STATIC_PYTHONS = ("/usr/bin/python3.11", "/usr/local/bin/python3.11")
 """Where a Linux distribution's own ``python3.11`` is, linked statically (Debian's is)."""
 
 
-def _shares_libpython(python: str) -> bool:
-    """Whether ``python`` runs on a shared ``libpython`` (Linux; ``False`` where it cannot
-    tell)."""
+def _shares_libpython(python: str) -> bool | None:
+    """Whether ``python`` runs on a shared ``libpython`` (Linux); ``None`` where it did not
+    answer (a broken interpreter is never picked)."""
     probe = "print(any('libpython' in line for line in open('/proc/self/maps')))"
     try:
         out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError):
-        return False
-    return out.stdout.strip() == "True"
+        return None
+    answer = out.stdout.strip()
+    return {"True": True, "False": False}.get(answer) if out.returncode == 0 else None
 
 
 def _python() -> str:
@@ -36,10 +37,10 @@ def _python() -> str:
     (docs/development.md#tests).
     ``nox -s tests --force-python python3.11`` takes the one on ``PATH`` all the same."""
     first = shutil.which("python3.11")
-    if sys.platform != "linux" or first is None or not _shares_libpython(first):
+    if sys.platform != "linux" or first is None or _shares_libpython(first) is not True:
         return "3.11"
     for python in STATIC_PYTHONS:
-        if os.access(python, os.X_OK) and not _shares_libpython(python):
+        if os.access(python, os.X_OK) and _shares_libpython(python) is False:
             return python
     return "3.11"
 

@@ -259,10 +259,7 @@ class SamplingEngine(Sampler):
         # committed: XLA compiles a program apart for each, so the second call compiled the
         # whole prefill again (4 s of a bench call's 16 on a 2-core CPU; a large model's
         # prefill on any device). Committed where it is from the start, it compiles once.
-        engine.gen_state = jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x,
-            engine.gen_state,
-        )
+        engine.gen_state = jax.tree.map(committed, engine.gen_state)
         return engine
 
     def update_model(self, model: LmHeadModel) -> None:
