@@ -6,6 +6,9 @@ engine's own machinery (slots, rounds, its memory budget) is tested at the end."
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -283,6 +286,23 @@ def test_new_weights_are_used_after_update_model(engine, models, tok):
         np.testing.assert_allclose(s.logprobs, w, atol=1e-4)
 
 
+@contextlib.contextmanager
+def programs_lowered() -> Iterator[list[str]]:
+    """The programs JAX lowers (traced to MLIR: compiled, or loaded from a cache) in the block,
+    one entry each."""
+    lowered: list[str] = []
+
+    def count(event: str, seconds: float, **kwargs) -> None:
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+            lowered.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        yield lowered
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+
+
 def test_weights_as_a_transfer_delivers_them_compile_nothing_new(engine, models, tok):
     """A worker warms its sampler up on the model it built (its arrays not committed to a
     device), then samples the same shapes with the trainer's weights, which a weight transfer
@@ -294,18 +314,9 @@ def test_weights_as_a_transfer_delivers_them_compile_nothing_new(engine, models,
     delivered = jax.tree.map(
         lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, models[1]
     )
-    lowered: list[str] = []
-
-    def count(event: str, seconds: float, **kwargs) -> None:
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
+    with programs_lowered() as lowered:
         engine.update_model(delivered)
         sample_prompts(engine, prompts, n=2, temperature=1.0, max_tokens=4, seed=2)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
     assert lowered == [], f"{len(lowered)} programs compiled again for the delivered weights"
 
 
@@ -316,21 +327,13 @@ def test_a_new_engine_compiles_its_programs_in_its_first_call_only(kind, models,
     (a program apart for each)."""
     # (12 tokens, 7 slots: no other test's shapes, so the first call finds nothing compiled)
     engine = make_engine(kind, models[0], max_seq_len=12, eos_id=tok.eos_id, max_seqs=7)
-    lowered: list[int] = []
-
-    def count(event: str, seconds: float, **kwargs) -> None:
-        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-            lowered[-1] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(count)
-    try:
-        for seed in (0, 1):
-            lowered.append(0)
+    lowered = []
+    for seed in (0, 1):
+        with programs_lowered() as programs:
             sample_prompts(
                 engine, prompts_of(tok, 3), n=2, temperature=1.0, max_tokens=4, seed=seed
             )
-    finally:
-        jax.monitoring.unregister_event_duration_listener(count)
+        lowered.append(len(programs))
     assert lowered[0] > 0 and lowered[1] == 0, f"programs lowered per call: {lowered}"
 
 
